@@ -1,0 +1,67 @@
+"""DeMo.step() against torch.optim.AdamW(foreach=True).step() on the same parameters.
+
+    python benchmarks/step_time.py [--model gpt2-small] [--k 32] [--repeats 5] [--layers 12]
+
+World size 1 (no process group: the message is built, "gathered" locally and decoded, so
+the compute of a real step is all there). Prints the median seconds per step of each and
+the ratio. `--layers` trims GPT-2's depth for a quicker look.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from shapes import MODELS, gpt2_small
+
+import thinwire
+
+
+def make_params(shapes) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+    return params
+
+
+def median_step_seconds(opt, repeats: int) -> float:
+    opt.step()  # first step allocates state
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt2-small", choices=sorted(MODELS))
+    parser.add_argument("--k", type=int, default=32)
+    parser.add_argument("--values", default="bf16")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=12, help="GPT-2 layers to keep (gpt2-small only)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shapes = MODELS[args.model]()
+    if args.model == "gpt2-small":
+        shapes = gpt2_small()[: 2 + 12 * args.layers] + gpt2_small()[-2:]
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    params = make_params(shapes)
+    adamw = median_step_seconds(torch.optim.AdamW(params, lr=1e-4, foreach=True), args.repeats)
+    demo = median_step_seconds(thinwire.DeMo(params, lr=1e-4, topk=args.k, values=args.values), args.repeats)
+    print(f"model {args.model} ({numel / 1e6:.1f}M params), k={args.k}, values={args.values}, "
+          f"threads={torch.get_num_threads()}, median of {args.repeats}")
+    print("| optimizer | s/step | ratio |")
+    print("|---|---|---|")
+    print(f"| AdamW foreach | {adamw:.3f} | 1.00 |")
+    print(f"| DeMo | {demo:.3f} | {demo / adamw:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+"""thinwire: data-parallel training over slow links with compressed optimizer messages.
+
+    from thinwire import DeMo
+    opt = DeMo(model.parameters(), lr=3e-4, topk=32)      # inside torch.distributed workers
+    loss.backward(); opt.step(); opt.zero_grad()          # no DDP gradient all-reduce
+    print(opt.comm_stats.last_step.payload_bytes)
+"""
+
+from .comm import CommCounters, CommStats, Communicator
+from .optim import DeMo, DenseAllReduce, NonFiniteGradientError, PeerMismatchError
+
+__version__ = "0.1.0"
+__all__ = ["CommCounters", "CommStats", "Communicator", "DeMo", "DenseAllReduce", "NonFiniteGradientError",
+           "PeerMismatchError", "__version__"]

@@ -1,0 +1,145 @@
+"""Collectives on flat buffers over a torch.distributed process group, with byte accounting.
+
+Every thinwire optimizer talks to its peers only through a `Communicator`, so the bytes it
+records are the bytes actually handed to torch.distributed (`tensor.nbytes`), never an
+estimate. With no initialised process group (or a world of one) every collective is a
+local identity and moves nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .links import link_bytes
+from .stats import CommStats
+
+
+class Pending:
+    """An issued asynchronous collective; `wait()` returns its result tensor."""
+
+    def __init__(self, work, result: torch.Tensor | None, finish: Callable[[], object] | None = None):
+        self._work, self._result, self._finish = work, result, finish
+
+    def wait(self):
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._finish is not None:
+            self._result, self._finish = self._finish(), None
+        return self._result
+
+
+def _all_gather_single():
+    # torch >= 2.10 renamed all_gather_into_tensor; keep working on both.
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Communicator:
+    """Wraps a process group (default: the world group) and counts what crosses the wire."""
+
+    def __init__(self, process_group=None):
+        self.stats = CommStats()
+        if dist.is_available() and dist.is_initialized():
+            self.group = process_group if process_group is not None else dist.group.WORLD
+            self.rank = dist.get_rank(self.group)
+            self.world_size = dist.get_world_size(self.group)
+        else:
+            if process_group is not None:
+                raise ValueError("process_group given but torch.distributed is not initialised")
+            self.group, self.rank, self.world_size = None, 0, 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.group is not None and self.world_size > 1
+
+    def _record(self, op: str, tag: str, nbytes: int, payload: int, is_root: bool = False) -> None:
+        sent, received = link_bytes(op, nbytes, self.world_size, is_root=is_root)
+        self.stats.record(tag, payload, sent, received)
+
+    @staticmethod
+    def _flat(buf: torch.Tensor, name: str = "buf") -> torch.Tensor:
+        if buf.dim() != 1 or not buf.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous 1-D tensor, got shape {tuple(buf.shape)}")
+        return buf
+
+    def all_reduce(self, buf: torch.Tensor, *, op: str = "sum", tag: str = "payload", async_op: bool = False):
+        """In-place reduction of `buf` over ranks (`op`: 'sum' or 'max'); returns `buf`."""
+        self._flat(buf)
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+        if op not in ops:
+            raise ValueError(f"op must be one of {tuple(ops)}, got {op!r}")
+        self._record("all_reduce", tag, buf.nbytes, buf.nbytes)
+        work = dist.all_reduce(buf, op=ops[op], group=self.group, async_op=True) if self.distributed else None
+        return self._finish(work, buf, async_op)
+
+    def all_gather(self, buf: torch.Tensor, *, tag: str = "payload", out: torch.Tensor | None = None,
+                   async_op: bool = False):
+        """Every rank's `buf`, stacked in rank order: shape [world_size, buf.numel()]."""
+        self._flat(buf)
+        shape = (self.world_size, buf.numel())
+        if out is None:
+            out = torch.empty(shape, dtype=buf.dtype, device=buf.device)
+        elif tuple(out.shape) != shape or out.dtype != buf.dtype:
+            raise ValueError(f"out must have shape {shape} and dtype {buf.dtype}")
+        self._record("all_gather", tag, buf.nbytes, buf.nbytes)
+        if not self.distributed:
+            out[0].copy_(buf)
+            return self._finish(None, out, async_op)
+        work = _all_gather_single()(out.view(-1), buf, group=self.group, async_op=True)
+        return self._finish(work, out, async_op)
+
+    def all_to_all(self, buf: torch.Tensor, *, tag: str = "payload", async_op: bool = False):
+        """Split `buf` into world_size equal parts; part j goes to rank j. Returns what arrived,
+        as [world_size, part] in source-rank order."""
+        self._flat(buf)
+        if buf.numel() % self.world_size:
+            raise ValueError(f"buf length {buf.numel()} is not a multiple of world size {self.world_size}")
+        out = torch.empty(self.world_size, buf.numel() // self.world_size, dtype=buf.dtype, device=buf.device)
+        self._record("all_to_all", tag, buf.nbytes, buf.nbytes)
+        if not self.distributed:
+            out.view(-1).copy_(buf)
+            return self._finish(None, out, async_op)
+        work = dist.all_to_all_single(out.view(-1), buf, group=self.group, async_op=True)
+        return self._finish(work, out, async_op)
+
+    def gather(self, buf: torch.Tensor, *, dst: int = 0, tag: str = "payload", async_op: bool = False):
+        """Every rank's `buf` at rank `dst` as [world_size, numel]; None on other ranks."""
+        self._flat(buf)
+        self._check_rank(dst, "dst")
+        root = self.rank == dst
+        self._record("gather", tag, buf.nbytes, buf.nbytes, is_root=root)
+        out = torch.empty(self.world_size, buf.numel(), dtype=buf.dtype, device=buf.device) if root else None
+        if not self.distributed:
+            out[0].copy_(buf)
+            return self._finish(None, out, async_op)
+        parts = list(out.unbind(0)) if root else None
+        work = dist.gather(buf, parts, dst=self._global(dst), group=self.group, async_op=True)
+        return self._finish(work, out, async_op)
+
+    def broadcast(self, buf: torch.Tensor, *, src: int = 0, tag: str = "payload", async_op: bool = False):
+        """In-place: every rank's `buf` becomes rank `src`'s. Returns `buf`."""
+        self._flat(buf)
+        self._check_rank(src, "src")
+        root = self.rank == src
+        self._record("broadcast", tag, buf.nbytes, buf.nbytes if root else 0, is_root=root)
+        work = (dist.broadcast(buf, src=self._global(src), group=self.group, async_op=True)
+                if self.distributed else None)
+        return self._finish(work, buf, async_op)
+
+    def _check_rank(self, rank: int, name: str) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"{name} must be a rank in 0..{self.world_size - 1}, got {rank}")
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank)
+
+    @staticmethod
+    def _finish(work, result, async_op: bool):
+        if async_op:
+            return Pending(work, result)
+        if work is not None:
+            work.wait()
+        return result

@@ -1,0 +1,98 @@
+"""How a tensor of any shape is cut into equal 2-D chunks for a chunked transform.
+
+A tensor is first viewed as a matrix:
+    0-D ()            -> (1, 1)
+    1-D (n,)          -> (1, n)
+    2-D (r, c)        -> (r, c)
+    k-D (d0, d1, ...) -> (d0, d1 * d2 * ...)   e.g. a conv weight (out, in, kh, kw) -> (out, in*kh*kw)
+Each matrix dimension n gets a chunk size by `chunk_size(n, target)`; a dimension with no
+divisor in [target/2, target] is zero-padded up to a multiple of `target`, never cut into
+chunks of 1 (bloc97/DeMo takes the largest divisor <= target, which is 1 for a prime n).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def chunk_size(n: int, target: int) -> tuple[int, int]:
+    """(chunk, padded_n) for one dimension of size n.
+
+    n <= target: one chunk of n. Otherwise the largest divisor d of n with d <= target if
+    d >= target / 2 (no padding), else chunk `target` with n padded up to a multiple of it.
+    """
+    if n < 1 or target < 1:
+        raise ValueError(f"n and target must be >= 1, got n={n}, target={target}")
+    if n <= target:
+        return n, n
+    divisor = max(d for d in range(1, target + 1) if n % d == 0)
+    if 2 * divisor >= target:
+        return divisor, n
+    return target, math.ceil(n / target) * target
+
+
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The 2-D view of a tensor shape used for chunking (see module docstring)."""
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return 1, shape[0]
+    return shape[0], math.prod(shape[1:])
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Chunk geometry of one tensor shape."""
+
+    shape: tuple[int, ...]
+    rows: int          # matrix view
+    cols: int
+    chunk_rows: int    # h
+    chunk_cols: int    # w
+    padded_rows: int
+    padded_cols: int
+
+    @classmethod
+    def for_shape(cls, shape, target: int) -> "ChunkPlan":
+        shape = tuple(int(s) for s in shape)
+        if any(s == 0 for s in shape):
+            raise ValueError(f"cannot chunk an empty tensor of shape {shape}")
+        rows, cols = matrix_shape(shape)
+        h, prows = chunk_size(rows, target)
+        w, pcols = chunk_size(cols, target)
+        return cls(shape, rows, cols, h, w, prows, pcols)
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.padded_rows // self.chunk_rows, self.padded_cols // self.chunk_cols
+
+    @property
+    def num_chunks(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    @property
+    def chunk_elems(self) -> int:
+        return self.chunk_rows * self.chunk_cols
+
+    @property
+    def padded(self) -> bool:
+        return (self.padded_rows, self.padded_cols) != (self.rows, self.cols)
+
+    def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """[*shape] -> [grid_r, grid_c, h, w] (a copy; zero padding where the plan pads)."""
+        m = x.reshape(self.rows, self.cols)
+        if self.padded:
+            m = torch.nn.functional.pad(m, (0, self.padded_cols - self.cols, 0, self.padded_rows - self.rows))
+        gr, gc = self.grid
+        # [R, C] -> [gr, h, gc, w] -> [gr, gc, h, w]
+        return m.reshape(gr, self.chunk_rows, gc, self.chunk_cols).permute(0, 2, 1, 3)
+
+    def from_chunks(self, chunks: torch.Tensor) -> torch.Tensor:
+        """[grid_r, grid_c, h, w] -> [*shape], dropping padding."""
+        gr, gc = self.grid
+        # [gr, gc, h, w] -> [gr, h, gc, w] -> [R, C]
+        m = chunks.permute(0, 2, 1, 3).reshape(self.padded_rows, self.padded_cols)
+        return m[: self.rows, : self.cols].reshape(self.shape)

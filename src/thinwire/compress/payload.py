@@ -1,0 +1,40 @@
+"""What one rank sends for one tensor: named uint8 buffers whose sizes the receiver knows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PayloadSpec = tuple[tuple[str, int], ...]  # (name, nbytes) in wire order
+
+
+@dataclass
+class Payload:
+    """Named uint8 buffers, in wire order. Sizes come from the compressor's `payload_spec`,
+    which every rank derives from the tensor shape, so nothing but these bytes is sent."""
+
+    parts: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self.parts.values())
+
+    @classmethod
+    def from_buffer(cls, buf: torch.Tensor, spec: PayloadSpec) -> "Payload":
+        """Split a flat uint8 buffer into the parts of `spec` (views, no copy)."""
+        expected = sum(n for _, n in spec)
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != expected:
+            raise ValueError(
+                f"malformed payload: expected a 1-D uint8 buffer of {expected} bytes, "
+                f"got {buf.dtype} of shape {tuple(buf.shape)}")
+        parts, offset = {}, 0
+        for name, n in spec:
+            parts[name] = buf[offset: offset + n]
+            offset += n
+        return cls(parts)
+
+    @staticmethod
+    def views(buf: torch.Tensor, spec: PayloadSpec) -> "Payload":
+        """Writable views into `buf` for an encoder to fill in place."""
+        return Payload.from_buffer(buf, spec)

@@ -1,0 +1,43 @@
+"""Start N worker processes joined in one gloo process group on this machine.
+
+    launch(worker_fn, workers=2, args=(...))      # worker_fn(rank, world_size, *args)
+
+Rendezvous goes through a file in a fresh temporary directory, so concurrent runs never
+collide on ports. Under `torchrun` (RANK/WORLD_SIZE set) use `init_from_env()` instead.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn, world_size: int, rendezvous: str, threads: int, args: tuple) -> None:
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size,
+                            timeout=timedelta(minutes=5))
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn, workers: int, args: tuple = ()) -> None:
+    """Run fn(rank, workers, *args) on `workers` spawned processes; re-raise any failure."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_entry, args=(fn, workers, os.path.join(tmp, "rendezvous"), threads, args), nprocs=workers)
+
+
+def init_from_env() -> tuple[int, int]:
+    """Join the group torchrun describes (NCCL when CUDA is available, else gloo)."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()

@@ -1,0 +1,73 @@
+"""Run a function on N real gloo worker processes and collect what each returns.
+
+    results = run_workers(fn, world_size=3, args=(...,))   # results[rank] = fn(rank, 3, ...)
+
+Each worker is a spawned process that joins a gloo process group through a `file://`
+rendezvous in a fresh temporary directory (so concurrent tests never collide on ports),
+runs `fn(rank, world_size, *args)`, and saves its return value with `torch.save`. Any
+exception on any rank fails the call with that rank's traceback; a hang fails it after
+`timeout` seconds with every worker killed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(fn, rank: int, world_size: int, tmpdir: str, args: tuple, collective_timeout: float) -> None:
+    torch.set_num_threads(1)
+    result_path = os.path.join(tmpdir, f"result{rank}.pt")
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{os.path.join(tmpdir, 'rendezvous')}",
+            rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout),
+        )
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        torch.save(("ok", value), result_path)
+    except BaseException:  # report everything, including assertion failures, to the parent
+        torch.save(("error", traceback.format_exc()), result_path)
+
+
+def run_workers(fn, world_size: int, args: tuple = (), timeout: float = 180.0,
+                collective_timeout: float = 60.0) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo processes; return per-rank results."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmpdir:
+        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, tmpdir, args, collective_timeout), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results, errors = [], []
+        for r in range(world_size):
+            path = os.path.join(tmpdir, f"result{r}.pt")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: " + ("hung (killed after timeout)" if r in hung else
+                                               f"died with exit code {procs[r].exitcode}"))
+                results.append(None)
+                continue
+            status, value = torch.load(path, weights_only=False)
+            if status == "error":
+                errors.append(f"rank {r} raised:\n{value}")
+            results.append(value)
+        if errors:
+            raise AssertionError(f"{len(errors)} of {world_size} workers failed:\n" + "\n".join(errors))
+        return results

@@ -1,0 +1,82 @@
+"""One contract every thinwire optimizer passes, run inside real gloo workers.
+
+`run_contract(rank, world, configs)` trains each config on the shared problem and returns,
+per config: final parameters (for cross-rank bit comparison), the parameters of a run that
+was checkpointed mid-way and resumed into fresh objects, per-step byte counters, and the
+loss before and after. The pytest side (test_contract.py) asserts on them.
+"""
+
+from __future__ import annotations
+
+import io
+import traceback
+
+import torch
+
+import thinwire
+from tests.optim import problem
+
+STEPS, RESUME_AT = 50, 25
+
+
+def build(config: dict, model: torch.nn.Module):
+    kind, kwargs = config["kind"], dict(config.get("kwargs", {}))
+    params = list(model.parameters())
+    if kind == "demo":
+        return thinwire.DeMo(params, **kwargs)
+    if kind == "dense-adamw":
+        return thinwire.DenseAllReduce(torch.optim.AdamW(params, lr=1e-2), **kwargs)
+    if kind == "dense-sgd":
+        return thinwire.DenseAllReduce(torch.optim.SGD(params, lr=0.05, momentum=0.9), **kwargs)
+    if kind == "dense-muon":
+        matrices = [p for p in params if p.dim() == 2]
+        others = [p for p in params if p.dim() != 2]
+        return thinwire.DenseAllReduce([torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(others, lr=1e-2)],
+                                       **kwargs)
+    raise ValueError(f"unknown config kind {kind!r}")
+
+
+def train(config: dict, rank: int, start: int, stop: int, model=None, opt=None):
+    model = model if model is not None else problem.make_model()
+    opt = opt if opt is not None else build(config, model)
+    counters = []
+    for step in range(start, stop):
+        x, y = problem.batch(rank, step)
+        problem.loss_on(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        counters.append(opt.comm_stats.last_step.as_dict())
+    return model, opt, counters
+
+
+def _resumed(config: dict, rank: int) -> torch.Tensor:
+    model, opt, _ = train(config, rank, 0, RESUME_AT)
+    blob = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, blob)
+    blob.seek(0)
+    saved = torch.load(blob, weights_only=False)
+    fresh_model = problem.make_model(seed=77)  # different init: the checkpoint must restore it
+    fresh_model.load_state_dict(saved["model"])
+    fresh_opt = build(config, fresh_model)
+    fresh_opt.load_state_dict(saved["opt"])
+    fresh_model, fresh_opt, _ = train(config, rank, RESUME_AT, STEPS, fresh_model, fresh_opt)
+    return problem.flat_params(fresh_model), fresh_opt.comm_stats.as_dict()
+
+
+def run_one(config: dict, rank: int) -> dict:
+    initial = problem.eval_loss(problem.make_model())
+    model, opt, counters = train(config, rank, 0, STEPS)
+    resumed, resumed_totals = _resumed(config, rank)
+    return {"params": problem.flat_params(model), "resumed": resumed, "counters": counters,
+            "totals": opt.comm_stats.as_dict(), "by_tag": {k: v.as_dict() for k, v in opt.comm_stats.by_tag.items()},
+            "resumed_totals": resumed_totals, "loss_before": initial, "loss_after": problem.eval_loss(model)}
+
+
+def run_contract(rank: int, world: int, configs: dict) -> dict:
+    results = {}
+    for name, config in configs.items():
+        try:
+            results[name] = run_one(config, rank)
+        except Exception:  # one failing config must not hide the others' results
+            results[name] = {"error": traceback.format_exc()}
+    return results

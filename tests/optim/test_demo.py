@@ -1,0 +1,86 @@
+"""DeMo's public surface in one process: arguments, state, error feedback, no process group."""
+
+import pytest
+import torch
+
+import thinwire
+
+
+def _param(shape=(64, 64)):
+    return torch.nn.Parameter(torch.randn(shape))
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"topk": 0}, "topk"), ({"topk": 2.5}, "topk"), ({"chunk": 0}, "chunk"),
+    ({"beta": 1.0}, "beta"), ({"beta": -0.1}, "beta"), ({"alpha": 0.0}, "alpha"), ({"alpha": 1.5}, "alpha"),
+    ({"transform": "fft"}, "transform"), ({"base": "adam"}, "base"), ({"values": "fp8"}, "values"),
+    ({"values": "fp16"}, "values"), ({"lr": -1.0}, "lr"), ({"weight_decay": -1.0}, "weight_decay"),
+    ({"aggregate": "median"}, "aggregate"), ({"nonfinite": "ignore"}, "nonfinite"),
+])
+def test_bad_arguments_raise_naming_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        thinwire.DeMo([_param()], **kwargs)
+
+
+def test_bad_param_group_raises():
+    opt = thinwire.DeMo([_param()])
+    with pytest.raises(ValueError, match="topk"):
+        opt.add_param_group({"params": [_param()], "topk": -3})
+
+
+def test_state_is_one_momentum_buffer_per_parameter():
+    p = _param((96, 128))
+    opt = thinwire.DeMo([p], lr=0.01)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    tensors = {k: v for k, v in opt.state[p].items() if torch.is_tensor(v)}
+    assert list(tensors) == ["momentum"] and tensors["momentum"].shape == p.shape
+
+
+@pytest.mark.parametrize("values", ["fp32", "bf16", "int8", "sign"])
+def test_error_feedback_keeps_what_was_not_delivered(values):
+    """After a step, momentum == beta*m + lr*g - (what the wire delivered): nothing is lost,
+    value quantisation included. Checked with alpha=1 and one worker, where the delivered
+    tensor is exactly the update direction before sign()."""
+    torch.manual_seed(1)
+    p = _param((64, 128))
+    opt = thinwire.DeMo([p], lr=0.5, beta=0.9, topk=16, values=values, base="sgd")
+    p.grad = torch.randn_like(p)
+    before = p.detach().clone()
+    opt.step()
+    delivered = before - p.detach()              # base='sgd': p -= delivered
+    m = opt.state[p]["momentum"]
+    assert torch.allclose(m + delivered, 0.5 * p.grad, atol=1e-5)
+    assert delivered.abs().sum() > 0
+
+
+def test_single_process_without_process_group_counts_bytes():
+    p = _param((64, 64))
+    opt = thinwire.DeMo([p], topk=32, values="bf16")
+    p.grad = torch.randn_like(p)
+    opt.step()
+    # header 8 + one 64x64 chunk: 32 indices of 12 bits + 32 bf16 values
+    assert opt.comm_stats.last_step.payload_bytes == 8 + 48 + 64
+    assert opt.comm_stats.link_bytes_sent == 0
+
+
+def test_lr_scheduler_drives_the_step_size():
+    p = _param((8, 8))
+    opt = thinwire.DeMo([p], lr=1.0, topk=64, base="signum")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
+    p.grad = torch.ones_like(p)
+    before = p.detach().clone()
+    opt.step()
+    sched.step()
+    assert torch.allclose(before - p.detach(), torch.full_like(before, 0.5))
+
+
+def test_nonfinite_gradient_raises_and_leaves_params_untouched():
+    p = _param((8, 8))
+    opt = thinwire.DeMo([p])
+    p.grad = torch.full_like(p, float("nan"))
+    before = p.detach().clone()
+    with pytest.raises(thinwire.NonFiniteGradientError):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+    assert torch.equal(opt.state[p]["momentum"], torch.zeros_like(p))
