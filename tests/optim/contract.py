@@ -60,7 +60,7 @@ def _resumed(config: dict, rank: int) -> torch.Tensor:
     fresh_opt = build(config, fresh_model)
     fresh_opt.load_state_dict(saved["opt"])
     fresh_model, fresh_opt, _ = train(config, rank, RESUME_AT, STEPS, fresh_model, fresh_opt)
-    return problem.flat_params(fresh_model), fresh_opt.comm_stats.as_dict()
+    return problem.flat_params(fresh_model), fresh_opt.comm_stats.by_tag["payload"].as_dict()
 
 
 def run_one(config: dict, rank: int) -> dict:
@@ -69,7 +69,7 @@ def run_one(config: dict, rank: int) -> dict:
     resumed, resumed_totals = _resumed(config, rank)
     return {"params": problem.flat_params(model), "resumed": resumed, "counters": counters,
             "totals": opt.comm_stats.as_dict(), "by_tag": {k: v.as_dict() for k, v in opt.comm_stats.by_tag.items()},
-            "resumed_totals": resumed_totals, "loss_before": initial, "loss_after": problem.eval_loss(model)}
+            "resumed_payload_totals": resumed_totals, "loss_before": initial, "loss_after": problem.eval_loss(model)}
 
 
 def run_contract(rank: int, world: int, configs: dict) -> dict:

@@ -32,10 +32,11 @@ def _nan_on_last_rank(rank, world, nonfinite, kind):
     if rank == world - 1:
         p.grad[3, 5] = float("nan")
     status = _outcome(opt.step)
+    unchanged = torch.equal(p.detach(), before)
     # A finite step afterwards proves no rank is stuck in a collective.
     p.grad = torch.ones_like(p)
     after_status = _outcome(opt.step)
-    return status, torch.equal(p.detach(), before), after_status[0], p.detach().clone()
+    return status, unchanged, after_status[0], p.detach().clone()
 
 
 def _out_of_lockstep(rank, world):

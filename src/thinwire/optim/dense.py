@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from .base import CommunicatingOptimizer
+from .base import _STATS_KEY, CommunicatingOptimizer
 from .protocol import NonFiniteGradientError, check_nonfinite_policy, handshake
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
@@ -45,6 +45,21 @@ class DenseAllReduce(CommunicatingOptimizer):
         self._init_comm(process_group)
         self._buffer: torch.Tensor | None = None
         self._agreed: str | None = None
+
+    def state_dict(self):
+        return {"optimizers": [o.state_dict() for o in self.optimizers], _STATS_KEY: self.comm.stats.state_dict()}
+
+    def load_state_dict(self, state_dict) -> None:
+        inner = state_dict.get("optimizers")
+        if inner is None or len(inner) != len(self.optimizers):
+            raise ValueError(f"state_dict holds {0 if inner is None else len(inner)} optimizer states, "
+                             f"this DenseAllReduce wraps {len(self.optimizers)}")
+        for opt, state in zip(self.optimizers, inner):
+            opt.load_state_dict(state)
+        # load_state_dict gives the wrapped optimizers new group dicts: share those instead.
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
+        if _STATS_KEY in state_dict:
+            self.comm.stats.load_state_dict(state_dict[_STATS_KEY])
 
     @property
     def params(self) -> list[torch.Tensor]:
