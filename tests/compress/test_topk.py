@@ -64,16 +64,16 @@ def test_aggregate_mean_is_average_of_decodes_and_senders_matches_scatter_mean()
     comp = ChunkedTopK(topk=5, chunk=8, transform="dct", values="fp32")
     xs = [torch.randn(16, 8) for _ in range(3)]
     payloads = [comp.encode(x) for x in xs]
-    mean = comp.aggregate(payloads, (16, 8), mode="mean")
+    reads = [comp.read(p, (16, 8)) for p in payloads]
+    mean = comp.aggregate(reads, (16, 8), mode="mean")
     assert torch.allclose(mean, sum(comp.decode(p, (16, 8)) for p in payloads) / 3, atol=1e-6)
     # bloc97/DeMo: concatenate all ranks' (index, value) pairs, scatter_reduce(mean) per chunk.
-    reads = [comp.read(p, (16, 8)) for p in payloads]
     idx = torch.cat([r[0] for r in reads], dim=-1)
     val = torch.cat([r[1] for r in reads], dim=-1)
     coeffs = torch.zeros(2, 64).scatter_reduce(-1, idx, val, reduce="mean", include_self=False)
     d = dct_matrix(8)
     expected = (d.T @ coeffs.view(2, 8, 8) @ d).reshape(16, 8)
-    assert torch.allclose(comp.aggregate(payloads, (16, 8), mode="senders"), expected, atol=1e-6)
+    assert torch.allclose(comp.aggregate(reads, (16, 8), mode="senders"), expected, atol=1e-6)
 
 
 def test_payload_size_matches_layout():

@@ -92,6 +92,7 @@ def test_exact_mode_matches_reference_step_for_step(topk):
         for p, q, delta in zip(ours, theirs, ref.delta):
             # Same equations; einsum and matmul may round differently in the last bit.
             assert torch.allclose(p, q, rtol=0, atol=1e-6), f"step {step}: params differ"
-            assert torch.allclose(opt.state[p]["momentum"], delta, rtol=1e-5, atol=1e-7)
+            err = (opt.state[p]["momentum"] - delta).abs().max().item()
+            assert err <= 2e-6, f"step {step}: momentum differs by {err}"
             p.grad = None
             q.grad = None

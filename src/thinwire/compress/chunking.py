@@ -81,18 +81,29 @@ class ChunkPlan:
     def padded(self) -> bool:
         return (self.padded_rows, self.padded_cols) != (self.rows, self.cols)
 
-    def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
-        """[*shape] -> [grid_r, grid_c, h, w] (a copy; zero padding where the plan pads)."""
+    def padded_matrix(self, x: torch.Tensor) -> torch.Tensor:
+        """[*shape] -> [padded_rows, padded_cols] (a view unless the plan pads)."""
         m = x.reshape(self.rows, self.cols)
         if self.padded:
             m = torch.nn.functional.pad(m, (0, self.padded_cols - self.cols, 0, self.padded_rows - self.rows))
+        return m
+
+    def crop(self, m: torch.Tensor) -> torch.Tensor:
+        """[padded_rows, padded_cols] -> [*shape], dropping padding."""
+        return m[: self.rows, : self.cols].reshape(self.shape)
+
+    def chunk_view(self, m: torch.Tensor) -> torch.Tensor:
+        """[padded_rows, padded_cols] -> [grid_r, grid_c, h, w] strided view of the same storage."""
         gr, gc = self.grid
         # [R, C] -> [gr, h, gc, w] -> [gr, gc, h, w]
-        return m.reshape(gr, self.chunk_rows, gc, self.chunk_cols).permute(0, 2, 1, 3)
+        return m.view(gr, self.chunk_rows, gc, self.chunk_cols).permute(0, 2, 1, 3)
+
+    def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """[*shape] -> [grid_r, grid_c, h, w] (zero padding where the plan pads)."""
+        return self.chunk_view(self.padded_matrix(x))
 
     def from_chunks(self, chunks: torch.Tensor) -> torch.Tensor:
         """[grid_r, grid_c, h, w] -> [*shape], dropping padding."""
-        gr, gc = self.grid
         # [gr, gc, h, w] -> [gr, h, gc, w] -> [R, C]
         m = chunks.permute(0, 2, 1, 3).reshape(self.padded_rows, self.padded_cols)
-        return m[: self.rows, : self.cols].reshape(self.shape)
+        return self.crop(m)

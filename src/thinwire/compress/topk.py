@@ -63,8 +63,7 @@ class ChunkedTopK:
     def coefficients(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
         """[*shape] -> [num_chunks, h*w] transform coefficients (float32)."""
         plan = self.plan(x.shape)
-        coeffs = self.transform.forward(plan.to_chunks(x.float()), step)
-        return coeffs.reshape(plan.num_chunks, plan.chunk_elems)
+        return self.transform.forward(plan.padded_matrix(x), plan, step)
 
     def encode(self, x: torch.Tensor, step: int = 0, out: torch.Tensor | None = None) -> Payload:
         """Top-k coefficients of every chunk of x; written into `out` (flat uint8) if given."""
@@ -92,26 +91,31 @@ class ChunkedTopK:
 
     def decode(self, payload: Payload, shape, step: int = 0) -> torch.Tensor:
         """The dense tensor (float32, `shape`) a receiver reconstructs from one payload."""
-        return self.aggregate([payload], shape, step)
+        plan = self.plan(shape)
+        return plan.from_chunks(self.transform.sparse_inverse(*self.read(payload, shape), plan, step))
 
-    def aggregate(self, payloads: Sequence[Payload], shape, step: int = 0, mode: str = "mean") -> torch.Tensor:
-        """Average of the ranks' decoded tensors (see class docstring for `mode`)."""
+    def subtract_decoded(self, target: torch.Tensor, read: tuple[torch.Tensor, torch.Tensor], alpha: float,
+                         step: int = 0) -> None:
+        """target -= alpha * decode(payload), in place, from a payload's `read()` output."""
+        plan = self.plan(target.shape)
+        chunks = self.transform.sparse_inverse(*read, plan, step).to(target.dtype)   # [gr, gc, h, w]
+        if plan.padded or not target.is_contiguous():
+            target.sub_(plan.from_chunks(chunks), alpha=alpha)
+        else:  # subtract through a chunk-shaped view of target: no reordering copy
+            plan.chunk_view(target.view(plan.rows, plan.cols)).sub_(chunks, alpha=alpha)
+
+    def aggregate(self, reads: Sequence[tuple[torch.Tensor, torch.Tensor]], shape, step: int = 0,
+                  mode: str = "mean") -> torch.Tensor:
+        """Average of the ranks' decoded tensors, from their payloads' `read()` outputs
+        (see the class docstring for `mode`)."""
         if mode not in AGGREGATIONS:
             raise ValueError(f"mode must be one of {AGGREGATIONS}, got {mode!r}")
         plan = self.plan(shape)
-        device = payloads[0].parts["values"].device
-        dense = torch.zeros(plan.num_chunks, plan.chunk_elems, device=device)   # [n_chunks, h*w]
+        dense = torch.zeros(plan.num_chunks, plan.chunk_elems, device=reads[0][1].device)  # [n_chunks, h*w]
         counts = torch.zeros_like(dense) if mode == "senders" else None
-        for p in payloads:  # rank order: a fixed summation order on every rank
-            idx, vals = self.read(p, shape)
+        for idx, vals in reads:  # rank order: a fixed summation order on every rank
             dense.scatter_add_(1, idx, vals)
             if counts is not None:
                 counts.scatter_add_(1, idx, torch.ones_like(vals))
-        dense.div_(len(payloads) if counts is None else counts.clamp_(min=1))
-        return self.to_tensor(dense, plan, step)
-
-    def to_tensor(self, coeffs: torch.Tensor, plan: ChunkPlan, step: int = 0) -> torch.Tensor:
-        """Dense coefficients [num_chunks, h*w] -> values of the plan's shape."""
-        gr, gc = plan.grid
-        chunks = coeffs.view(gr, gc, plan.chunk_rows, plan.chunk_cols)
-        return plan.from_chunks(self.transform.inverse(chunks, step))
+        dense.div_(len(reads) if counts is None else counts.clamp_(min=1))
+        return plan.crop(self.transform.inverse(dense, plan, step))

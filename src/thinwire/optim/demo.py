@@ -187,13 +187,13 @@ class DeMo(CommunicatingOptimizer):
             comp.encode(m, step, out=self._send[offset: offset + n])
 
     def _apply(self, entries, gathered: torch.Tensor, step: int) -> None:
-        rank = self.comm.rank
         for group, p, comp, offset, n in entries:
             spec = comp.payload_spec(p.shape)
-            payloads = [Payload.from_buffer(gathered[r, offset: offset + n], spec) for r in range(len(gathered))]
-            sent = comp.decode(payloads[rank], p.shape, step)           # what the wire delivered of M
-            self.state[p]["momentum"].sub_(sent.to(p.dtype), alpha=group["alpha"])
-            delta = comp.aggregate(payloads, p.shape, step, group["aggregate"])
+            reads = [comp.read(Payload.from_buffer(gathered[r, offset: offset + n], spec), p.shape)
+                     for r in range(gathered.shape[0])]                       # validated, rank order
+            # M ← M − α·(what the wire delivered of this rank's message)
+            comp.subtract_decoded(self.state[p]["momentum"], reads[self.comm.rank], group["alpha"], step)
+            delta = comp.aggregate(reads, p.shape, step, group["aggregate"])
             if group["weight_decay"]:
                 p.mul_(1.0 - group["lr"] * group["weight_decay"])
             apply_base(p, delta, group["lr"], group["base"])

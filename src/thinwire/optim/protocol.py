@@ -83,8 +83,14 @@ def check_nonfinite_policy(nonfinite: str) -> str:
 
 
 def all_finite(tensors) -> bool:
-    """True when every tensor is finite; one host sync for the whole list."""
+    """True when every tensor is finite; one host sync for the whole list.
+
+    A float sum propagates NaN and inf and costs one fast pass; only when a sum is not
+    finite (which a huge but finite tensor can also cause) is the exact check run.
+    """
     tensors = list(tensors)
     if not tensors:
         return True
-    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+    if bool(torch.isfinite(torch.stack([t.sum(dtype=torch.float32) for t in tensors])).all()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)

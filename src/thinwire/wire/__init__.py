@@ -1,13 +1,24 @@
-"""Wire formats: tensors <-> flat uint8 buffers.
-
-`bits` packs unsigned integers of any width 1..32 (and signs, 1 bit each) densely into
-bytes; `values` codes float values as fp32, bf16, fp16, int8 with a per-row scale, or a
-1-bit sign with a per-row scale. Every size is a function of the shape alone, so a
+"""Wire formats: tensors <-> flat uint8 buffers whose sizes follow from shapes alone, so a
 receiver can slice a message without any metadata on the wire.
+
+`bits`: unsigned integers of any width 1..32 packed densely (`pack_bits` / `unpack_bits`),
+and signs at 1 bit each (`pack_signs` / `unpack_signs`). Value i occupies stream bits
+[i*width, (i+1)*width), least significant bit first; stream bit j is bit j % 8 of byte
+j // 8; the last byte is zero-padded: ceil(count * width / 8) bytes in all.
+
+`values`: a float [rows, cols] tensor, one scale per row where the codec has one, as
+    fp32  rows*cols*4 bytes (lossless)
+    bf16  rows*cols*2 bytes
+    fp16  rows*cols*2 bytes (finite values saturate at +-65504)
+    int8  rows*4 bytes of float32 absmax scales, then rows*cols int8
+    sign  rows*4 bytes of float32 scales, then ceil(rows*cols / 8) bytes of sign bits
+All multi-byte numbers are little-endian.
 """
 
 from .bits import index_width, pack_bits, pack_signs, packed_nbytes, unpack_bits, unpack_signs
-from .values import CODEC_NAMES, FloatCodec, Int8Codec, SignCodec, ValueCodec, get_codec
+from .values import CODEC_NAMES, FP16_MAX, FloatCodec, Int8Codec, SignCodec, ValueCodec, get_codec
 
-__all__ = ["CODEC_NAMES", "FloatCodec", "Int8Codec", "SignCodec", "ValueCodec", "get_codec", "index_width",
-           "pack_bits", "pack_signs", "packed_nbytes", "unpack_bits", "unpack_signs"]
+__all__ = [
+    "CODEC_NAMES", "FP16_MAX", "FloatCodec", "Int8Codec", "SignCodec", "ValueCodec", "get_codec",
+    "index_width", "pack_bits", "pack_signs", "packed_nbytes", "unpack_bits", "unpack_signs",
+]

@@ -1,103 +1,215 @@
-"""Vectorised bit packing of unsigned integers and signs into uint8 buffers.
+"""Vectorised packing of unsigned integers (1..32 bits each) and of signs into uint8 buffers.
 
-Bit order: value i occupies stream bits [i*width, (i+1)*width), least significant bit
-first; stream bit j is bit (j % 8) of byte j // 8. The last byte is zero-padded. So
-width 12 packs [0xABC, 0x123] into bytes [0xBC, 0x3A, 0x12].
+Bit order, for every width: value i occupies stream bits [i*width, (i+1)*width), least
+significant bit first, and stream bit j is bit (j % 8) of byte j // 8 (little-endian bit
+order). The last byte is zero-padded, so `count` values take ceil(count * width / 8) bytes.
+Example: width 12 packs [0xABC, 0x123] into bytes [0xBC, 0x3A, 0x12]; width 1 packs
+[1, 0, 1, 1] into [0b00001101].
+
+Byte views assume a little-endian host, as every platform torch ships for is.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
-_BYTE_WIDTHS = {8: 1, 16: 2, 32: 4}
+_BYTE_DTYPES = {8: torch.uint8, 64: torch.int64}  # accumulator word size (bits) -> dtype
+
+
+def _int_arg(name: str, value, low: int, high: int | None = None) -> int:
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if value < low or (high is not None and value > high):
+        bounds = f"in {low}..{high}" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+    return value
 
 
 def index_width(n: int) -> int:
-    """Bits needed to code the indices 0..n-1: max(1, ceil(log2 n))."""
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    return max(1, math.ceil(math.log2(n)))
+    """Bits needed to code the indices 0..n-1: max(1, ceil(log2 n)). 4096 -> 12, 4097 -> 13."""
+    n = _int_arg("n", n, 1)
+    return max(1, (n - 1).bit_length())  # exact for any n, unlike float log2
 
 
 def packed_nbytes(count: int, width: int) -> int:
     """Bytes that `count` values of `width` bits occupy: ceil(count * width / 8)."""
-    _check_width(width)
-    if count < 0:
-        raise ValueError(f"count must be >= 0, got {count}")
+    count, width = _int_arg("count", count, 0), _int_arg("width", width, 1, 32)
     return (count * width + 7) // 8
 
 
-def _check_width(width: int) -> None:
-    if not 1 <= width <= 32:
-        raise ValueError(f"width must be in 1..32, got {width}")
-
-
-def _check_out(out: torch.Tensor | None, nbytes: int, device) -> torch.Tensor:
+def _check_out(out: torch.Tensor | None, nbytes: int, device: torch.device) -> torch.Tensor:
     if out is None:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != nbytes:
-        raise ValueError(f"out must be a 1-D uint8 tensor of {nbytes} bytes, got {out.dtype} {tuple(out.shape)}")
-    return out
-
-
-def _bit_weights(device) -> torch.Tensor:
-    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
-
-
-def pack_bits(values: torch.Tensor, width: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Pack integers in [0, 2**width) into a 1-D uint8 tensor of packed_nbytes bytes."""
-    _check_width(width)
-    v = values.reshape(-1).to(torch.int64)
-    nbytes = packed_nbytes(v.numel(), width)
-    out = _check_out(out, nbytes, v.device)
-    if v.numel() == 0:
-        return out
-    lo, hi = torch.aminmax(v)
-    if int(lo) < 0 or int(hi) >= 1 << width:
-        raise ValueError(f"values must be in [0, 2**{width}), got range [{int(lo)}, {int(hi)}]")
-    if width in _BYTE_WIDTHS:
-        # little-endian int64 bytes; keep the low `width / 8` bytes of each value
-        out.copy_(v.view(torch.uint8).view(-1, 8)[:, : _BYTE_WIDTHS[width]].reshape(-1))
-        return out
-    shifts = torch.arange(width, device=v.device)
-    bits = ((v[:, None] >> shifts) & 1).to(torch.uint8).reshape(-1)    # [count * width]
-    pad = nbytes * 8 - bits.numel()
-    if pad:
-        bits = torch.cat([bits, bits.new_zeros(pad)])
-    out.copy_((bits.view(-1, 8) * _bit_weights(v.device)).sum(dim=1, dtype=torch.uint8))
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"out must be a contiguous 1-D uint8 tensor of {nbytes} bytes, got {type(out).__name__}")
+    if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != nbytes or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous 1-D uint8 tensor of {nbytes} bytes, "
+                         f"got {out.dtype} of shape {tuple(out.shape)}")
+    if out.device != device:
+        raise ValueError(f"out must be on {device}, got {out.device}")
     return out
 
 
 def _check_buf(buf: torch.Tensor, nbytes: int, what: str) -> None:
-    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != nbytes:
-        raise ValueError(f"expected {nbytes} bytes for {what}, got a {buf.dtype} tensor of shape {tuple(buf.shape)}")
+    if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
+        got = f"{buf.dtype} of shape {tuple(buf.shape)}" if isinstance(buf, torch.Tensor) else type(buf).__name__
+        raise ValueError(f"buf must be a 1-D uint8 tensor, got {got}")
+    if buf.numel() != nbytes:
+        raise ValueError(f"expected {nbytes} bytes for {what}, got {buf.numel()}")
+
+
+def _group(width: int) -> tuple[int, int]:
+    """(values, bytes) of the smallest whole-byte group: lcm(width, 8) bits."""
+    values = 8 // math.gcd(width, 8)
+    return values, width * values // 8
+
+
+def _pack_groups(vg: torch.Tensor, width: int, dst: torch.Tensor, word_bits: int) -> None:
+    """Pack vg [m, g] (g values of `width` bits per row) into dst [m, gbytes] uint8.
+
+    Each row is built one accumulator word (`word_bits` wide) at a time; the bit ranges of
+    the values are disjoint, so OR-ing shifted values assembles the word exactly.
+    """
+    m, g = vg.shape
+    wbytes = word_bits // 8
+    word = torch.empty(m, dtype=_BYTE_DTYPES[word_bits], device=vg.device)
+    scratch = torch.empty_like(word)
+    for k in range(-(-dst.shape[1] // wbytes)):
+        lo_bit, hi_bit = k * word_bits, (k + 1) * word_bits
+        first = True
+        for j in range(lo_bit // width, min(g, -(-hi_bit // width))):
+            shift = j * width - lo_bit  # < 0: the value started in an earlier word
+            target = word if first else scratch
+            if shift >= 0:
+                torch.bitwise_left_shift(vg[:, j], shift, out=target)  # bits past the word wrap away
+            else:
+                torch.bitwise_right_shift(vg[:, j], -shift, out=target)
+            if not first:
+                word.bitwise_or_(scratch)
+            first = False
+        lo, hi = k * wbytes, min((k + 1) * wbytes, dst.shape[1])
+        dst[:, lo:hi].copy_(word.view(torch.uint8).view(m, wbytes)[:, : hi - lo])
+
+
+def _pack_stream(v: torch.Tensor, width: int, out: torch.Tensor, word_bits: int = 64) -> None:
+    """Whole groups straight from v; the last partial group through a zero-padded copy."""
+    g, gbytes = _group(width)
+    full = v.numel() // g
+    if full:
+        _pack_groups(v[: full * g].view(full, g), width, out[: full * gbytes].view(full, gbytes), word_bits)
+    rest = v.numel() - full * g
+    if rest:
+        tail = v.new_zeros(1, g)
+        tail[0, :rest] = v[full * g:]
+        tail_bytes = out.new_empty(1, gbytes)
+        _pack_groups(tail, width, tail_bytes, word_bits)
+        out[full * gbytes:].copy_(tail_bytes[0, : out.numel() - full * gbytes])
+
+
+def pack_bits(values: torch.Tensor, width: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pack integers in [0, 2**width) (any integer dtype and shape, flattened in C order)
+    into a 1-D uint8 tensor of packed_nbytes(values.numel(), width) bytes, in the module's
+    bit order, on values' device. `out`: a contiguous 1-D uint8 tensor of exactly that many
+    bytes (e.g. a slice of a bigger buffer) to write into and return.
+    """
+    width = _int_arg("width", width, 1, 32)
+    if not isinstance(values, torch.Tensor) or values.dtype.is_floating_point or values.dtype.is_complex:
+        raise ValueError(f"values must be an integer tensor, got {getattr(values, 'dtype', type(values))}")
+    v = values.reshape(-1).to(torch.int64)
+    out = _check_out(out, packed_nbytes(v.numel(), width), v.device)
+    if v.numel() == 0:
+        return out
+    lo, hi = torch.aminmax(v)
+    lo, hi = int(lo), int(hi)
+    if lo < 0 or hi >= 1 << width:
+        raise ValueError(f"values must be in [0, 2**{width}) for width {width}, got min {lo} and max {hi}")
+    if width == 8:
+        out.copy_(v)  # integer -> uint8 conversion keeps the low byte
+    elif width in (16, 32):
+        # low bytes of each little-endian int64 (a 32-bit value may not fit int32)
+        out.view(-1, width // 8).copy_(v.view(torch.uint8).view(-1, 8)[:, : width // 8])
+    else:
+        _pack_stream(v, width, out)
+    return out
+
+
+def _unpack_groups(src: torch.Tensor, width: int, dst: torch.Tensor, word_bits: int) -> None:
+    """Inverse of _pack_groups: src [m, gbytes] uint8 -> dst [m, g] (any integer dtype)."""
+    m, gbytes = src.shape
+    wbytes, dtype = word_bits // 8, _BYTE_DTYPES[word_bits]
+    words = []
+    for lo in range(0, gbytes, wbytes):
+        hi = min(lo + wbytes, gbytes)
+        w = torch.zeros(m, wbytes, dtype=torch.uint8, device=src.device)
+        w[:, : hi - lo] = src[:, lo:hi]
+        words.append(w.view(dtype).view(m))
+    scratch = torch.empty(m, dtype=dst.dtype, device=dst.device)
+    for j in range(dst.shape[1]):
+        k, s = divmod(j * width, word_bits)
+        col = dst[:, j]
+        torch.bitwise_right_shift(words[k], s, out=col)
+        if s + width > word_bits:
+            # int64 right shifts copy the sign bit: keep only the bits that came from this word
+            col.bitwise_and_((1 << (word_bits - s)) - 1)
+            torch.bitwise_left_shift(words[k + 1], word_bits - s, out=scratch)
+            col.bitwise_or_(scratch)
+        col.bitwise_and_((1 << width) - 1)
+
+
+def _unpack_stream(buf: torch.Tensor, width: int, count: int, dst: torch.Tensor, word_bits: int = 64) -> None:
+    g, gbytes = _group(width)
+    full = count // g
+    if full:
+        _unpack_groups(buf[: full * gbytes].view(full, gbytes), width, dst[: full * g].view(full, g), word_bits)
+    rest = count - full * g
+    if rest:
+        tail = buf.new_zeros(1, gbytes)  # the partial group's bytes, zero-padded to a whole group
+        tail[0, : buf.numel() - full * gbytes] = buf[full * gbytes:]
+        tail_values = dst.new_empty(1, g)
+        _unpack_groups(tail, width, tail_values, word_bits)
+        dst[full * g:] = tail_values[0, :rest]
 
 
 def unpack_bits(buf: torch.Tensor, width: int, count: int) -> torch.Tensor:
-    """Inverse of pack_bits: `count` int64 values from a buffer of packed_nbytes bytes."""
+    """Inverse of pack_bits: `count` int64 values of `width` bits from a 1-D uint8 buffer of
+    exactly packed_nbytes(count, width) bytes (ValueError otherwise). Padding bits are ignored.
+    """
     nbytes = packed_nbytes(count, width)
     _check_buf(buf, nbytes, f"{count} values of {width} bits")
-    if count == 0:
-        return torch.zeros(0, dtype=torch.int64, device=buf.device)
-    if width in _BYTE_WIDTHS:
-        k = _BYTE_WIDTHS[width]
-        wide = torch.zeros(count, 8, dtype=torch.uint8, device=buf.device)
-        wide[:, :k] = buf.view(count, k)
-        return wide.view(torch.int64).view(-1)
-    bits = ((buf[:, None] >> torch.arange(8, device=buf.device, dtype=torch.uint8)) & 1)   # [nbytes, 8]
-    bits = bits.reshape(-1)[: count * width].view(count, width).to(torch.int64)
-    return (bits << torch.arange(width, device=buf.device)).sum(dim=1)
+    buf = buf.contiguous()
+    if width == 8:
+        return buf.to(torch.int64)
+    if width in (16, 32):
+        wide = torch.zeros(count, 8, dtype=torch.uint8, device=buf.device)  # zero-extend to int64
+        wide[:, : width // 8] = buf.view(count, width // 8)
+        return wide.view(torch.int64).view(count)
+    out = torch.empty(count, dtype=torch.int64, device=buf.device)
+    _unpack_stream(buf, width, count, out)
+    return out
 
 
 def pack_signs(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One bit per element, 1 where x >= 0 (so 0 and -0.0 code as +1; NaN codes as -1)."""
-    flat = x.reshape(-1)
-    return pack_bits((flat >= 0).to(torch.uint8), 1, out=out) if flat.numel() else _check_out(out, 0, x.device)
+    """One bit per element of x (flattened), 8 per byte in the module's bit order:
+    bit = 1 where x >= 0, so 0.0 and -0.0 code as +1; NaN compares false and codes as 0
+    (negative). Returns (or fills `out` with) packed_nbytes(x.numel(), 1) bytes.
+    """
+    bits = (x.reshape(-1) >= 0).view(torch.uint8)  # bool is stored as one 0/1 byte
+    out = _check_out(out, packed_nbytes(bits.numel(), 1), x.device)
+    _pack_stream(bits, 1, out, word_bits=8)  # 8 values fit a byte: no int64 temporaries
+    return out
 
 
 def unpack_signs(buf: torch.Tensor, count: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """+1.0 / -1.0 values of the `count` signs packed in `buf`."""
-    bits = unpack_bits(buf, 1, count)
-    return (bits * 2 - 1).to(dtype)
+    """Inverse of pack_signs: `count` values of +1.0 (bit 1) or -1.0 (bit 0) in `dtype`."""
+    nbytes = packed_nbytes(count, 1)
+    _check_buf(buf, nbytes, f"{count} signs")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+    bits = torch.empty(count, dtype=torch.uint8, device=buf.device)
+    _unpack_stream(buf.contiguous(), 1, count, bits, word_bits=8)
+    return bits.to(dtype).mul_(2).sub_(1)

@@ -1,18 +1,22 @@
-"""Value codecs: a float tensor [rows, cols] <-> a flat uint8 buffer.
+"""Value codecs: a float tensor [rows, cols] <-> a flat uint8 buffer whose size depends
+only on (rows, cols).
 
 `rows` are groups that get one scale each (e.g. chunks), `cols` the values per group.
-Layouts (little-endian):
-    fp32  rows*cols float32                           lossless
-    bf16  rows*cols bfloat16 (round to nearest even)
-    fp16  rows*cols float16, clamped to +-65504 first (saturates instead of becoming inf)
-    int8  rows float32 scales s = max|x| of the row, then rows*cols int8 q = round(127 x / s);
-          decoded q * s / 127. An all-zero row has s = 0 and decodes to zeros.
-    sign  rows float32 scales, then rows*cols sign bits (`pack_signs`, zero codes as +);
-          decoded sign * s. s = mean|x| of the row (the L2-optimal scale of a sign code), or
-          sqrt(mean x^2) with SignCodec(scale='rms'), which keeps the row's L2 norm (1-bit Adam).
+Every number on the wire is little-endian; values are row-major. Layouts:
+    fp32  rows*cols float32                                                  lossless
+    bf16  rows*cols bfloat16, round to nearest even
+    fp16  rows*cols float16; finite values beyond +-65504 saturate to +-65504
+    int8  rows float32 scales, then rows*cols int8
+    sign  rows float32 scales, then packed_nbytes(rows*cols, 1) bytes of sign bits
+Codecs accept any floating input dtype and compute in float32; decode returns float32.
+A row holding NaN or inf always decodes to non-finite values (fp16 saturates only finite
+values; int8 and sign rows get a non-finite scale), so a receiver-side finiteness check
+catches it.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -21,10 +25,20 @@ from .bits import pack_signs, packed_nbytes, unpack_signs
 FP16_MAX = 65504.0
 
 
-def _view_as(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Read bytes as `dtype`; a slice at an unaligned offset is copied first (views need alignment)."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    if buf.storage_offset() % itemsize:
+def _dim(name: str, value) -> int:
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def _as_dtype(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Read bytes as `dtype`. Views need the offset aligned to the item size, so a slice at
+    an unaligned offset (common inside a packed message) is copied first."""
+    if buf.storage_offset() % dtype.itemsize:
         buf = buf.clone()
     return buf.view(dtype)
 
@@ -34,92 +48,129 @@ def _bytes_of(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).contiguous().view(torch.uint8).reshape(-1)
 
 
-def _check_x(x: torch.Tensor) -> torch.Tensor:
-    if x.dim() != 2:
-        raise ValueError(f"values must be a 2-D [rows, cols] tensor, got shape {tuple(x.shape)}")
-    return x.float()
-
-
 class ValueCodec:
-    """Base codec: subclasses define `nbytes`, `_encode` and `decode`."""
+    """A stateless codec. Subclasses define `name`, `lossless`, `nbytes`, `_encode`, `_decode`."""
 
-    name = ""
-    lossless = False
+    name: str = ""
+    lossless: bool = False
 
     def nbytes(self, rows: int, cols: int) -> int:
+        """Size in bytes of the encoding of a [rows, cols] tensor."""
         raise NotImplementedError
 
     def encode(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        x = _check_x(x)
+        """x: floating [rows, cols] -> 1-D uint8 of nbytes(rows, cols), written into `out`
+        (a contiguous 1-D uint8 tensor of exactly that size) when given."""
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() != 2:
+            got = f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must be a floating [rows, cols] tensor, got {got}")
         n = self.nbytes(*x.shape)
         if out is None:
             out = torch.empty(n, dtype=torch.uint8, device=x.device)
-        elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != n:
-            raise ValueError(f"out must be a 1-D uint8 tensor of {n} bytes, got {out.dtype} {tuple(out.shape)}")
-        self._encode(x, out)
+        elif (out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != n or not out.is_contiguous()
+              or out.device != x.device):
+            raise ValueError(f"out must be a contiguous 1-D uint8 tensor of {n} bytes on {x.device}, "
+                             f"got {out.dtype} of shape {tuple(out.shape)} on {out.device}")
+        self._encode(x.float(), out)
         return out
+
+    def decode(self, buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """1-D uint8 of exactly nbytes(rows, cols) -> float32 [rows, cols], never a view of buf.
+        Does not check that the values are finite."""
+        rows, cols = _dim("rows", rows), _dim("cols", cols)
+        n = self.nbytes(rows, cols)
+        if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != n:
+            got = f"{buf.dtype} of shape {tuple(buf.shape)}" if isinstance(buf, torch.Tensor) else type(buf).__name__
+            raise ValueError(f"malformed {self.name} values: expected a 1-D uint8 tensor of {n} bytes "
+                             f"for [{rows}, {cols}], got {got}")
+        return self._decode(buf.contiguous(), rows, cols)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """decode(encode(x)): the float32 values a receiver of x will see."""
+        return self.decode(self.encode(x), *x.shape)
 
     def _encode(self, x: torch.Tensor, out: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def decode(self, buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    def _decode(self, buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        """The float32 values a receiver decodes from encode(x)."""
-        return self.decode(self.encode(x), *x.shape)
-
-    def _check_buf(self, buf: torch.Tensor, rows: int, cols: int) -> None:
-        n = self.nbytes(rows, cols)
-        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != n:
-            raise ValueError(f"malformed {self.name} values: expected {n} bytes for [{rows}, {cols}], "
-                             f"got a {buf.dtype} tensor of shape {tuple(buf.shape)}")
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
 
 
 class FloatCodec(ValueCodec):
-    """Values in a float dtype, rows*cols*itemsize bytes."""
+    """Each value in a float dtype: rows*cols*itemsize bytes, row-major, little-endian.
 
-    def __init__(self, name: str, dtype: torch.dtype):
-        self.name, self.dtype = name, dtype
+    fp32 (torch.float32): the values' own bytes, lossless.
+    bf16 (torch.bfloat16): float32 -> bfloat16 rounded to nearest even.
+    fp16 (torch.float16): finite values are clamped to [-65504, 65504] first, so they
+    saturate instead of overflowing to inf; +-inf and NaN pass through unchanged, so a
+    non-finite value is never disguised as a finite one.
+    """
+
+    NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+    def __init__(self, dtype: torch.dtype):
+        if dtype not in self.NAMES:
+            raise ValueError(f"dtype must be one of {tuple(self.NAMES)}, got {dtype}")
+        self.dtype, self.name = dtype, self.NAMES[dtype]
         self.lossless = dtype == torch.float32
-        self.itemsize = torch.tensor([], dtype=dtype).element_size()
 
     def nbytes(self, rows: int, cols: int) -> int:
-        return rows * cols * self.itemsize
+        return _dim("rows", rows) * _dim("cols", cols) * self.dtype.itemsize
 
     def _encode(self, x: torch.Tensor, out: torch.Tensor) -> None:
         if self.dtype == torch.float16:
-            x = x.clamp(-FP16_MAX, FP16_MAX)
+            x = torch.where(x.isinf(), x, x.clamp(-FP16_MAX, FP16_MAX))
         out.copy_(_bytes_of(x, self.dtype))
 
-    def decode(self, buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-        self._check_buf(buf, rows, cols)
-        return _view_as(buf, self.dtype).view(rows, cols).float()
+    def _decode(self, buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        # to(..., copy=True): a fp32 result must not alias the caller's receive buffer
+        return _as_dtype(buf, self.dtype).view(rows, cols).to(torch.float32, copy=True)
 
 
 class Int8Codec(ValueCodec):
-    """Symmetric int8 with one absmax float32 scale per row."""
+    """Symmetric int8 with one float32 scale per row.
+
+    Layout: [rows float32 scales s][rows*cols int8 q], row-major.
+    s = max |x| over the row; q = round(x / s * 127) (round half to even), within [-127, 127];
+    decoded value q * s / 127, so each error is at most s / 254 (half a step). A row of
+    zeros (or with no columns) has s = 0 and decodes to zeros. A row holding NaN or inf
+    gets a non-finite s, so it decodes non-finite.
+    """
 
     name = "int8"
 
     def nbytes(self, rows: int, cols: int) -> int:
+        rows, cols = _dim("rows", rows), _dim("cols", cols)
         return 4 * rows + rows * cols
 
     def _encode(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        rows = x.shape[0]
-        scale = x.abs().amax(dim=1, keepdim=True)                          # [rows, 1]
-        q = (x * (127.0 / scale.clamp(min=torch.finfo(torch.float32).tiny))).round_().clamp_(-127, 127)
+        rows, cols = x.shape
+        scale = x.abs().amax(dim=1, keepdim=True) if cols else x.new_zeros(rows, 1)
+        # x / s (not x * (127 / s)): 127 / s overflows to inf for subnormal s
+        q = (x / torch.where(scale > 0, scale, 1.0)).mul_(127).round_().clamp_(-127, 127)
+        q.nan_to_num_(0.0)  # NaN -> int8 is undefined; the row's NaN scale already marks it
         out[: 4 * rows].copy_(_bytes_of(scale, torch.float32))
         out[4 * rows:].copy_(_bytes_of(q, torch.int8))
 
-    def decode(self, buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-        self._check_buf(buf, rows, cols)
-        scale = _view_as(buf[: 4 * rows], torch.float32).view(rows, 1)
-        return buf[4 * rows:].view(torch.int8).view(rows, cols).float() * (scale / 127.0)
+    def _decode(self, buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        scale = _as_dtype(buf[: 4 * rows], torch.float32).view(rows, 1)
+        q = buf[4 * rows:].view(torch.int8).view(rows, cols)
+        return q.float().mul_(scale).div_(127)
 
 
 class SignCodec(ValueCodec):
-    """1 bit per value plus one float32 scale per row ('mean_abs' or 'rms')."""
+    """One bit per value plus one float32 scale per row.
+
+    Layout: [rows float32 scales s][packed_nbytes(rows*cols, 1) bytes of signs, `pack_signs`
+    of the row-major values: bit 1 for x >= 0 (zero codes as +), 0 for x < 0 or NaN].
+    Decoded value: +s or -s. scale='mean_abs' (default): s = mean |x| of the row, the s that
+    minimises ||x - s*sign(x)||. scale='rms': s = sqrt(mean x^2), which keeps each row's
+    L2 norm (the scale 1-bit Adam uses). A row with no columns has s = 0.
+    A row holding NaN or inf gets a non-finite s, so it decodes non-finite.
+    """
 
     name = "sign"
     SCALES = ("mean_abs", "rms")
@@ -130,29 +181,48 @@ class SignCodec(ValueCodec):
         self.scale = scale
 
     def nbytes(self, rows: int, cols: int) -> int:
+        rows, cols = _dim("rows", rows), _dim("cols", cols)
         return 4 * rows + packed_nbytes(rows * cols, 1)
 
     def row_scale(self, x: torch.Tensor) -> torch.Tensor:
-        return x.abs().mean(dim=1) if self.scale == "mean_abs" else x.square().mean(dim=1).sqrt()
+        """The float32 scale of each row of x [rows, cols] -> [rows]."""
+        x = x.float()
+        if x.shape[1] == 0:
+            return x.new_zeros(x.shape[0])
+        if self.scale == "mean_abs":
+            return x.abs().mean(dim=1)
+        # sqrt(mean x^2) taken relative to the row's absmax: x^2 itself would overflow to inf
+        # above ~1.8e19 and underflow to 0 below ~1e-23
+        peak = x.abs().amax(dim=1, keepdim=True)
+        rel = x / torch.where(peak > 0, peak, 1.0)
+        return rel.square_().mean(dim=1).sqrt_().mul_(peak.squeeze(1))
 
     def _encode(self, x: torch.Tensor, out: torch.Tensor) -> None:
         rows = x.shape[0]
         out[: 4 * rows].copy_(_bytes_of(self.row_scale(x), torch.float32))
         pack_signs(x, out=out[4 * rows:])
 
-    def decode(self, buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-        self._check_buf(buf, rows, cols)
-        scale = _view_as(buf[: 4 * rows], torch.float32).view(rows, 1)
-        return unpack_signs(buf[4 * rows:], rows * cols).view(rows, cols) * scale
+    def _decode(self, buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        scale = _as_dtype(buf[: 4 * rows], torch.float32).view(rows, 1)
+        return unpack_signs(buf[4 * rows:], rows * cols).view(rows, cols).mul_(scale)
+
+    def __repr__(self) -> str:
+        return f"SignCodec(scale={self.scale!r})"
 
 
-CODEC_NAMES = ("fp32", "bf16", "fp16", "int8", "sign")
+CODEC_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8", "sign")
 
 
 def get_codec(name: str) -> ValueCodec:
-    """The codec called `name` (see CODEC_NAMES)."""
-    codecs = {"fp32": lambda: FloatCodec("fp32", torch.float32), "bf16": lambda: FloatCodec("bf16", torch.bfloat16),
-              "fp16": lambda: FloatCodec("fp16", torch.float16), "int8": Int8Codec, "sign": SignCodec}
-    if name not in codecs:
-        raise ValueError(f"values must be one of {CODEC_NAMES}, got {name!r}")
-    return codecs[name]()
+    """A new codec for the wire precision `name`, one of CODEC_NAMES ('sign' uses mean_abs)."""
+    if name == "fp32":
+        return FloatCodec(torch.float32)
+    if name == "bf16":
+        return FloatCodec(torch.bfloat16)
+    if name == "fp16":
+        return FloatCodec(torch.float16)
+    if name == "int8":
+        return Int8Codec()
+    if name == "sign":
+        return SignCodec()
+    raise ValueError(f"values must be one of {', '.join(map(repr, CODEC_NAMES))}, got {name!r}")
