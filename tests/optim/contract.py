@@ -20,8 +20,13 @@ STEPS, RESUME_AT = 50, 25
 
 
 def build(config: dict, model: torch.nn.Module):
-    kind, kwargs = config["kind"], dict(config.get("kwargs", {}))
+    """The optimizer a config names: config["factory"](params, **kwargs) (any module-level
+    function, so other optimizers' test files can bring their own), or a built-in kind."""
+    kwargs = dict(config.get("kwargs", {}))
     params = list(model.parameters())
+    if "factory" in config:
+        return config["factory"](params, **kwargs)
+    kind = config["kind"]
     if kind == "demo":
         return thinwire.DeMo(params, **kwargs)
     if kind == "dense-adamw":
@@ -80,3 +85,29 @@ def run_contract(rank: int, world: int, configs: dict) -> dict:
         except Exception:  # one failing config must not hide the others' results
             results[name] = {"error": traceback.format_exc()}
     return results
+
+
+def per_rank(outcome, name: str) -> tuple[int, list]:
+    """(world, [result per rank]) of one config from run_workers(run_contract, ...); fails on errors."""
+    world, results = outcome
+    ranks = [r[name] for r in results]
+    errors = [r["error"] for r in ranks if "error" in r]
+    assert not errors, errors[0]
+    return world, ranks
+
+
+def assert_replicas_identical(world: int, ranks: list, key: str = "params") -> None:
+    for r in range(1, world):
+        assert torch.equal(ranks[r][key], ranks[0][key]), f"rank {r} drifted from rank 0"
+
+
+def assert_resume_identical(ranks: list) -> None:
+    for result in ranks:
+        assert torch.equal(result["resumed"], result["params"])
+        # Payload counters carry over through the checkpoint; the resumed process handshakes anew.
+        assert result["resumed_payload_totals"] == result["by_tag"]["payload"]
+
+
+def assert_loss_falls(ranks: list, factor: float = 0.5) -> None:
+    result = ranks[0]
+    assert result["loss_after"] < factor * result["loss_before"], (result["loss_before"], result["loss_after"])

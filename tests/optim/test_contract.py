@@ -72,36 +72,22 @@ def outcome(request):
     return world, run_workers(contract.run_contract, world, args=(CONFIGS,), timeout=600)
 
 
-def _per_rank(outcome, name):
-    world, results = outcome
-    per_rank = [r[name] for r in results]
-    errors = [r["error"] for r in per_rank if "error" in r]
-    assert not errors, errors[0]
-    return world, per_rank
-
-
 @pytest.mark.parametrize("name", CONFIGS)
 def test_replicas_bit_identical(outcome, name):
-    world, per_rank = _per_rank(outcome, name)
-    for r in range(1, world):
-        assert torch.equal(per_rank[r]["params"], per_rank[0]["params"]), f"rank {r} drifted from rank 0"
+    contract.assert_replicas_identical(*contract.per_rank(outcome, name))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_resume_continues_bit_identically(outcome, name):
-    _, per_rank = _per_rank(outcome, name)
-    for rank_result in per_rank:
-        assert torch.equal(rank_result["resumed"], rank_result["params"])
-        # Payload counters carry over through the checkpoint; the resumed process handshakes anew.
-        assert rank_result["resumed_payload_totals"] == rank_result["by_tag"]["payload"]
+    contract.assert_resume_identical(contract.per_rank(outcome, name)[1])
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_bytes_counted_equal_wire_format(outcome, name):
-    world, per_rank = _per_rank(outcome, name)
+    world, per_rank = contract.per_rank(outcome, name)
     expected = expected_step_counters(CONFIGS[name], world)
-    handshake = {"payload_bytes": 8 if world > 1 else 0, "link_bytes_sent": 8 * (world - 1), "link_bytes_received": 8 * (world - 1),
-                 "collectives": 1 if world > 1 else 0}
+    handshake = {"payload_bytes": 8 if world > 1 else 0, "link_bytes_sent": 8 * (world - 1),
+                 "link_bytes_received": 8 * (world - 1), "collectives": 1 if world > 1 else 0}
     for rank_result in per_rank:
         first, *rest = rank_result["counters"]
         assert first == {k: expected[k] + handshake[k] for k in expected}   # step 1 includes the handshake
@@ -111,6 +97,4 @@ def test_bytes_counted_equal_wire_format(outcome, name):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_loss_falls(outcome, name):
-    _, per_rank = _per_rank(outcome, name)
-    result = per_rank[0]
-    assert result["loss_after"] < 0.5 * result["loss_before"], (result["loss_before"], result["loss_after"])
+    contract.assert_loss_falls(contract.per_rank(outcome, name)[1])
