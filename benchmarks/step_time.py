@@ -4,7 +4,8 @@
 
 World size 1 (no process group: the message is built, "gathered" locally and decoded, so
 the compute of a real step is all there). Prints the median seconds per step of each and
-the ratio. `--layers` trims GPT-2's depth for a quicker look.
+the ratio, for DeMo with its momentum kept as parameters (the reference's arithmetic) and as
+transform coefficients (momentum_domain='transform'). `--layers` trims GPT-2's depth for a quicker look.
 """
 
 from __future__ import annotations
@@ -54,13 +55,16 @@ def main() -> None:
     numel = sum(torch.Size(s).numel() for s in shapes)
     params = make_params(shapes)
     adamw = median_step_seconds(torch.optim.AdamW(params, lr=1e-4, foreach=True), args.repeats)
-    demo = median_step_seconds(thinwire.DeMo(params, lr=1e-4, topk=args.k, values=args.values), args.repeats)
+    demo = {domain: median_step_seconds(thinwire.DeMo(params, lr=1e-4, topk=args.k, values=args.values,
+                                                     momentum_domain=domain), args.repeats)
+            for domain in ("param", "transform")}
     print(f"model {args.model} ({numel / 1e6:.1f}M params), k={args.k}, values={args.values}, "
           f"threads={torch.get_num_threads()}, median of {args.repeats}")
     print("| optimizer | s/step | ratio |")
     print("|---|---|---|")
     print(f"| AdamW foreach | {adamw:.3f} | 1.00 |")
-    print(f"| DeMo | {demo:.3f} | {demo / adamw:.2f} |")
+    for domain, seconds in demo.items():
+        print(f"| DeMo momentum_domain={domain!r} | {seconds:.3f} | {seconds / adamw:.2f} |")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ def _param(shape=(64, 64)):
     ({"beta": 1.0}, "beta"), ({"beta": -0.1}, "beta"), ({"alpha": 0.0}, "alpha"), ({"alpha": 1.5}, "alpha"),
     ({"transform": "fft"}, "transform"), ({"base": "adam"}, "base"), ({"values": "fp8"}, "values"),
     ({"values": "fp16"}, "values"), ({"lr": -1.0}, "lr"), ({"weight_decay": -1.0}, "weight_decay"),
-    ({"aggregate": "median"}, "aggregate"), ({"nonfinite": "ignore"}, "nonfinite"),
+    ({"aggregate": "median"}, "aggregate"), ({"momentum_domain": "fft"}, "momentum_domain"),
+    ({"momentum_domain": "transform", "transform": "random"}, "momentum_domain"), ({"nonfinite": "ignore"}, "nonfinite"),
 ])
 def test_bad_arguments_raise_naming_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):

@@ -73,14 +73,16 @@ class ReferenceDeMo:
 SHAPES = [(64, 96), (128,), (40, 200), (32, 64)]
 
 
-@pytest.mark.parametrize("topk", [1, 8, 32])
-def test_exact_mode_matches_reference_step_for_step(topk):
+@pytest.mark.parametrize("topk, domain", [(1, "param"), (8, "param"), (32, "param"), (8, "transform")])
+def test_exact_mode_matches_reference_step_for_step(topk, domain):
+    """domain='transform' keeps T(M) instead of M: the same algorithm (T is linear), so it
+    must follow the reference too, its momentum equal to the reference's buffer transformed."""
     torch.manual_seed(0)
     ours = [torch.randn(s, requires_grad=True) for s in SHAPES]
     theirs = [p.detach().clone().requires_grad_(True) for p in ours]
     targets = [torch.randn(s) for s in SHAPES]
     opt = thinwire.DeMo(ours, lr=0.01, beta=0.999, alpha=1.0, topk=topk, chunk=64, transform="dct",
-                        base="signum", values="fp32", weight_decay=0.1)
+                        base="signum", values="fp32", weight_decay=0.1, momentum_domain=domain)
     ref = ReferenceDeMo(theirs, lr=0.01, decay=0.999, topk=topk, weight_decay=0.1)
     for step in range(30):
         noise = [torch.randn(s) for s in SHAPES]
@@ -92,7 +94,8 @@ def test_exact_mode_matches_reference_step_for_step(topk):
         for p, q, delta in zip(ours, theirs, ref.delta):
             # Same equations; einsum and matmul may round differently in the last bit.
             assert torch.allclose(p, q, rtol=0, atol=1e-6), f"step {step}: params differ"
-            err = (opt.state[p]["momentum"] - delta).abs().max().item()
+            expected = delta if domain == "param" else ref.encode(delta).reshape(opt.state[p]["momentum"].shape)
+            err = (opt.state[p]["momentum"] - expected).abs().max().item()
             assert err <= 2e-6, f"step {step}: momentum differs by {err}"
             p.grad = None
             q.grad = None

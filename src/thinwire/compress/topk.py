@@ -67,12 +67,15 @@ class ChunkedTopK:
 
     def encode(self, x: torch.Tensor, step: int = 0, out: torch.Tensor | None = None) -> Payload:
         """Top-k coefficients of every chunk of x; written into `out` (flat uint8) if given."""
-        spec = self.payload_spec(x.shape)
+        return self.encode_coefficients(self.coefficients(x, step), x.shape, out)
+
+    def encode_coefficients(self, coeffs: torch.Tensor, shape, out: torch.Tensor | None = None) -> Payload:
+        """Like encode, from coefficients already in the transform domain ([n_chunks, h*w])."""
+        spec = self.payload_spec(shape)
         if out is None:
-            out = torch.empty(sum(n for _, n in spec), dtype=torch.uint8, device=x.device)
+            out = torch.empty(sum(n for _, n in spec), dtype=torch.uint8, device=coeffs.device)
         payload = Payload.views(out, spec)
-        coeffs = self.coefficients(x, step)                          # [n_chunks, h*w]
-        idx = coeffs.abs().topk(self.k(x.shape), dim=-1, sorted=False).indices
+        idx = coeffs.abs().topk(self.k(shape), dim=-1, sorted=False).indices       # [n_chunks, k]
         pack_bits(idx, index_width(coeffs.shape[-1]), out=payload.parts["indices"])
         self.codec.encode(coeffs.gather(-1, idx), out=payload.parts["values"])
         return payload

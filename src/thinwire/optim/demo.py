@@ -30,33 +30,36 @@ import torch
 
 from ..compress import AGGREGATIONS, TRANSFORMS, ChunkedTopK, Payload
 from ..ops import muon_scale, orthogonalize
-from ..wire import CODEC_NAMES
 from .base import CommunicatingOptimizer
 from .protocol import (HEADER_NBYTES, FLAG_NONFINITE, NonFiniteGradientError, all_finite,
                        check_nonfinite_policy, handshake, read_headers, write_header)
 
 BASES = ("signum", "sgd", "muon")
-_WIRE_KEYS = ("topk", "chunk", "transform", "values", "seed", "aggregate", "base")
+VALUES = ("fp32", "bf16", "int8", "sign")
+DOMAINS = ("param", "transform")
+_WIRE_KEYS = ("topk", "chunk", "transform", "values", "seed", "aggregate", "base", "momentum_domain")
 
 
-def _check_args(lr, beta, alpha, topk, chunk, transform, base, weight_decay, values, aggregate) -> None:
-    if not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    if not 0.0 <= beta < 1.0:
-        raise ValueError(f"beta must be in [0, 1), got {beta}")
-    if not 0.0 < alpha <= 1.0:
-        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-    for name, value in (("topk", topk), ("chunk", chunk)):
+def _check_group(g: dict) -> None:
+    """ValueError naming the first invalid hyperparameter of a param group."""
+    if not g["lr"] >= 0.0:
+        raise ValueError(f"lr must be >= 0, got {g['lr']}")
+    if not 0.0 <= g["beta"] < 1.0:
+        raise ValueError(f"beta must be in [0, 1), got {g['beta']}")
+    if not 0.0 < g["alpha"] <= 1.0:
+        raise ValueError(f"alpha must be in (0, 1], got {g['alpha']}")
+    for name in ("topk", "chunk"):
+        value = g[name]
         if isinstance(value, bool) or int(value) != value or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    for name, value, valid in (("transform", transform, TRANSFORMS), ("base", base, BASES),
-                               ("values", values, CODEC_NAMES), ("aggregate", aggregate, AGGREGATIONS)):
-        if value not in valid:
-            raise ValueError(f"{name} must be one of {valid}, got {value!r}")
-    if values == "fp16":
-        raise ValueError("values must be one of ('fp32', 'bf16', 'int8', 'sign'), got 'fp16'")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    for name, valid in (("transform", TRANSFORMS), ("base", BASES), ("values", VALUES),
+                        ("aggregate", AGGREGATIONS), ("momentum_domain", DOMAINS)):
+        if g[name] not in valid:
+            raise ValueError(f"{name} must be one of {valid}, got {g[name]!r}")
+    if g["momentum_domain"] == "transform" and g["transform"] == "random":
+        raise ValueError("momentum_domain='transform' needs a fixed basis: transform must be 'dct' or 'identity'")
+    if not g["weight_decay"] >= 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {g['weight_decay']}")
 
 
 def apply_base(p: torch.Tensor, delta: torch.Tensor, lr: float, base: str) -> None:
@@ -83,6 +86,11 @@ class DeMo(CommunicatingOptimizer):
         weight_decay: decoupled λ. values: wire precision — 'fp32' | 'bf16' | 'int8' | 'sign'.
         aggregate: 'mean' over ranks, or 'senders' (the reference's mean over ranks that sent
             a coefficient). seed: shared seed of the random transform.
+        momentum_domain: 'param' (default; the reference's arithmetic, M has the parameter's
+            shape) or 'transform': M is kept as its chunk coefficients T(M) ([chunks, h*w],
+            float32), which is the same algorithm since T is linear and fixed, but saves the
+            inverse transform of the sent part and the forward transform of M each step (the
+            gradient is transformed instead). Needs transform 'dct' or 'identity'.
         nonfinite: 'raise' (default) or 'skip' when any rank's gradients are not finite; in
             both cases no parameter moves that step, on any rank, and healthy ranks keep the
             step's gradient in their momentum (to be sent later).
@@ -92,12 +100,13 @@ class DeMo(CommunicatingOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, beta: float = 0.999, alpha: float = 1.0, topk: int = 32,
                  chunk: int = 64, transform: str = "dct", base: str = "signum", weight_decay: float = 0.0,
-                 values: str = "bf16", aggregate: str = "mean", seed: int = 0, nonfinite: str = "raise",
-                 process_group=None):
-        _check_args(lr, beta, alpha, topk, chunk, transform, base, weight_decay, values, aggregate)
+                 values: str = "bf16", aggregate: str = "mean", momentum_domain: str = "param", seed: int = 0,
+                 nonfinite: str = "raise", process_group=None):
         self.nonfinite = check_nonfinite_policy(nonfinite)
-        defaults = dict(lr=lr, beta=beta, alpha=alpha, topk=int(topk), chunk=int(chunk), transform=transform,
-                        base=base, weight_decay=weight_decay, values=values, aggregate=aggregate, seed=seed)
+        defaults = dict(lr=lr, beta=beta, alpha=alpha, topk=topk, chunk=chunk, transform=transform, base=base,
+                        weight_decay=weight_decay, values=values, aggregate=aggregate,
+                        momentum_domain=momentum_domain, seed=seed)
+        _check_group(defaults)
         super().__init__(params, defaults)
         self._init_comm(process_group)
         self._compressors: dict[tuple, ChunkedTopK] = {}
@@ -105,15 +114,12 @@ class DeMo(CommunicatingOptimizer):
         self._send: torch.Tensor | None = None   # reused message buffer
 
     def add_param_group(self, param_group: dict) -> None:
-        for key in ("lr", "beta", "alpha", "topk", "chunk", "transform", "base", "weight_decay", "values",
-                    "aggregate"):
-            param_group.setdefault(key, self.defaults[key])
-        _check_args(*(param_group[k] for k in ("lr", "beta", "alpha", "topk", "chunk", "transform", "base",
-                                               "weight_decay", "values", "aggregate")))
+        _check_group({**self.defaults, **param_group})
         super().add_param_group(param_group)
 
     def compressor(self, group: dict) -> ChunkedTopK:
         key = tuple(group[k] for k in ("topk", "chunk", "transform", "values", "seed"))
+        key = (int(key[0]), int(key[1]), *key[2:])
         if key not in self._compressors:
             self._compressors[key] = ChunkedTopK(*key)
         return self._compressors[key]
@@ -169,22 +175,31 @@ class DeMo(CommunicatingOptimizer):
         return loss
 
     def _advance_step(self, entries) -> int:
-        for _, p, *_ in entries:
+        for group, p, comp, *_ in entries:
             state = self.state[p]
             if not state:
                 state["step"] = 0
-                state["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group["momentum_domain"] == "transform":
+                    plan = comp.plan(p.shape)                   # coefficients, chunk-major, padding included
+                    state["momentum"] = torch.zeros(plan.num_chunks, plan.chunk_elems, device=p.device)
+                else:
+                    state["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1
         return self.state[entries[0][1]]["step"]
 
     def _encode(self, entries, step: int) -> None:
         """M ← βM + ηg, then write each parameter's top-k payload into the message buffer."""
         for group, p, comp, offset, n in entries:
-            m = self.state[p]["momentum"]
+            m, out = self.state[p]["momentum"], self._send[offset: offset + n]
             m.mul_(group["beta"])
+            if group["momentum_domain"] == "transform":     # T is linear: T(βM + ηg) = βT(M) + ηT(g)
+                if p.grad is not None:
+                    m.add_(comp.coefficients(p.grad, step), alpha=group["lr"])
+                comp.encode_coefficients(m, p.shape, out=out)
+                continue
             if p.grad is not None:
                 m.add_(p.grad, alpha=group["lr"])
-            comp.encode(m, step, out=self._send[offset: offset + n])
+            comp.encode(m, step, out=out)
 
     def _apply(self, entries, gathered: torch.Tensor, step: int) -> None:
         for group, p, comp, offset, n in entries:
@@ -192,7 +207,11 @@ class DeMo(CommunicatingOptimizer):
             reads = [comp.read(Payload.from_buffer(gathered[r, offset: offset + n], spec), p.shape)
                      for r in range(gathered.shape[0])]                       # validated, rank order
             # M ← M − α·(what the wire delivered of this rank's message)
-            comp.subtract_decoded(self.state[p]["momentum"], reads[self.comm.rank], group["alpha"], step)
+            m, (idx, vals) = self.state[p]["momentum"], reads[self.comm.rank]
+            if group["momentum_domain"] == "transform":
+                m.scatter_add_(1, idx, vals.mul(-group["alpha"]))          # sparse: no transform needed
+            else:
+                comp.subtract_decoded(m, (idx, vals), group["alpha"], step)
             delta = comp.aggregate(reads, p.shape, step, group["aggregate"])
             if group["weight_decay"]:
                 p.mul_(1.0 - group["lr"] * group["weight_decay"])
