@@ -8,8 +8,6 @@ local identity and moves nothing.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 
@@ -20,15 +18,13 @@ from .stats import CommStats
 class Pending:
     """An issued asynchronous collective; `wait()` returns its result tensor."""
 
-    def __init__(self, work, result: torch.Tensor | None, finish: Callable[[], object] | None = None):
-        self._work, self._result, self._finish = work, result, finish
+    def __init__(self, work, result: torch.Tensor | None):
+        self._work, self._result = work, result
 
     def wait(self):
         if self._work is not None:
             self._work.wait()
             self._work = None
-        if self._finish is not None:
-            self._result, self._finish = self._finish(), None
         return self._result
 
 

@@ -22,7 +22,7 @@ class Payload:
 
     @classmethod
     def from_buffer(cls, buf: torch.Tensor, spec: PayloadSpec) -> "Payload":
-        """Split a flat uint8 buffer into the parts of `spec` (views, no copy)."""
+        """Split a flat uint8 buffer into the parts of `spec` (writable views, no copy)."""
         expected = sum(n for _, n in spec)
         if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != expected:
             raise ValueError(
@@ -33,8 +33,3 @@ class Payload:
             parts[name] = buf[offset: offset + n]
             offset += n
         return cls(parts)
-
-    @staticmethod
-    def views(buf: torch.Tensor, spec: PayloadSpec) -> "Payload":
-        """Writable views into `buf` for an encoder to fill in place."""
-        return Payload.from_buffer(buf, spec)

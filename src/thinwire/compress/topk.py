@@ -74,7 +74,7 @@ class ChunkedTopK:
         spec = self.payload_spec(shape)
         if out is None:
             out = torch.empty(sum(n for _, n in spec), dtype=torch.uint8, device=coeffs.device)
-        payload = Payload.views(out, spec)
+        payload = Payload.from_buffer(out, spec)
         idx = coeffs.abs().topk(self.k(shape), dim=-1, sorted=False).indices       # [n_chunks, k]
         pack_bits(idx, index_width(coeffs.shape[-1]), out=payload.parts["indices"])
         self.codec.encode(coeffs.gather(-1, idx), out=payload.parts["values"])

@@ -6,7 +6,7 @@ import torch
 
 from ..comm import CommStats, Communicator
 
-_STATS_KEY = "thinwire_comm_stats"
+STATS_KEY = "thinwire_comm_stats"
 
 
 class CommunicatingOptimizer(torch.optim.Optimizer):
@@ -26,12 +26,12 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
 
     def state_dict(self):
         state = super().state_dict()
-        state[_STATS_KEY] = self.comm.stats.state_dict()
+        state[STATS_KEY] = self.comm.stats.state_dict()
         return state
 
     def load_state_dict(self, state_dict) -> None:
         state_dict = dict(state_dict)
-        stats = state_dict.pop(_STATS_KEY, None)
+        stats = state_dict.pop(STATS_KEY, None)
         super().load_state_dict(state_dict)
         if stats is not None:
             self.comm.stats.load_state_dict(stats)

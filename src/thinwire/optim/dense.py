@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from .base import _STATS_KEY, CommunicatingOptimizer
+from .base import STATS_KEY, CommunicatingOptimizer
 from .protocol import NonFiniteGradientError, check_nonfinite_policy, handshake
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
@@ -47,7 +47,7 @@ class DenseAllReduce(CommunicatingOptimizer):
         self._agreed: str | None = None
 
     def state_dict(self):
-        return {"optimizers": [o.state_dict() for o in self.optimizers], _STATS_KEY: self.comm.stats.state_dict()}
+        return {"optimizers": [o.state_dict() for o in self.optimizers], STATS_KEY: self.comm.stats.state_dict()}
 
     def load_state_dict(self, state_dict) -> None:
         inner = state_dict.get("optimizers")
@@ -58,8 +58,8 @@ class DenseAllReduce(CommunicatingOptimizer):
             opt.load_state_dict(state)
         # load_state_dict gives the wrapped optimizers new group dicts: share those instead.
         self.param_groups = [g for o in self.optimizers for g in o.param_groups]
-        if _STATS_KEY in state_dict:
-            self.comm.stats.load_state_dict(state_dict[_STATS_KEY])
+        if STATS_KEY in state_dict:
+            self.comm.stats.load_state_dict(state_dict[STATS_KEY])
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -97,7 +97,10 @@ class DenseAllReduce(CommunicatingOptimizer):
         offset = 0
         for p in params:
             view = self._buffer[offset: offset + p.numel()]
-            view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad.reshape(-1))
             offset += p.numel()
         return self._buffer
 
