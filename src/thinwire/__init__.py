@@ -7,8 +7,9 @@
 """
 
 from .comm import CommCounters, CommStats, Communicator
-from .optim import DeMo, DenseAllReduce, NonFiniteGradientError, PeerMismatchError
+from .optim import (APMSqueeze, DeMo, DenseAllReduce, DiLoCo, EF21Muon, LoRDO, NonFiniteGradientError,
+                    PeerMismatchError)
 
 __version__ = "0.1.0"
-__all__ = ["CommCounters", "CommStats", "Communicator", "DeMo", "DenseAllReduce", "NonFiniteGradientError",
-           "PeerMismatchError", "__version__"]
+__all__ = ["APMSqueeze", "CommCounters", "CommStats", "Communicator", "DeMo", "DenseAllReduce", "DiLoCo", "EF21Muon",
+           "LoRDO", "NonFiniteGradientError", "PeerMismatchError", "__version__"]

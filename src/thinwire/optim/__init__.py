@@ -1,8 +1,13 @@
-"""Optimizers that communicate: DeMo and the dense all-reduce baseline."""
+"""Optimizers that communicate: DeMo, APMSqueeze, EF21-Muon, LoRDO, DiLoCo and the dense all-reduce baseline."""
 
+from .apmsqueeze import APMSqueeze
 from .base import CommunicatingOptimizer
 from .demo import DeMo
 from .dense import DenseAllReduce
+from .diloco import DiLoCo
+from .ef21_muon import EF21Muon
+from .lordo import LoRDO
 from .protocol import NonFiniteGradientError, PeerMismatchError
 
-__all__ = ["CommunicatingOptimizer", "DeMo", "DenseAllReduce", "NonFiniteGradientError", "PeerMismatchError"]
+__all__ = ["APMSqueeze", "CommunicatingOptimizer", "DeMo", "DenseAllReduce", "DiLoCo", "EF21Muon", "LoRDO",
+           "NonFiniteGradientError", "PeerMismatchError"]

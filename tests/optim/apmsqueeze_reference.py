@@ -1,0 +1,195 @@
+"""Independent references for APMSqueeze's tests, and the code its gloo workers run.
+
+The references are written from the algorithm's description (paper, issue, onebit docstring),
+not from the code under test: messages are decoded with numpy's own bit unpacking, scales
+are float64 norms, and the two-phase all-reduce is simulated for all ranks in one process.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from tests.optim import contract, problem
+from thinwire.comm import Communicator
+from thinwire.compress.onebit import compressed_allreduce
+from thinwire.optim.apmsqueeze import APMSqueeze
+from thinwire.optim.protocol import read_headers, write_header
+
+HEADER = 8
+N_VALUES, ROUNDS = 1000, 3            # all-reduce test: unpadded length and rounds of error feedback
+SHAPES, WARMUP, STEPS = [(5, 7), (3,)], 2, 5
+LR, BETAS, EPS, WD = 0.01, (0.9, 0.99), 1e-8, 0.1
+
+
+def make_apmsqueeze(params, **kwargs):
+    return APMSqueeze(params, **kwargs)
+
+
+def padded(n: int, world: int) -> int:
+    return math.ceil(n / (8 * world)) * 8 * world
+
+
+# ---- independent decoding and simulation -------------------------------------------------
+
+def np_decode(messages: torch.Tensor, c: int) -> torch.Tensor:
+    """Rows of (float32 scale | packed signs, LSB first; 1 = +) -> float32 [rows, c]."""
+    raw = messages.numpy()
+    scales = raw[:, :4].copy().view("<f4")[:, 0]
+    bits = np.unpackbits(raw[:, 4:], axis=1, bitorder="little")[:, :c]
+    return torch.from_numpy(np.where(bits == 1, 1.0, -1.0).astype(np.float32) * scales[:, None])
+
+
+def _c(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-bit compression of each row: (RMS scale ||v||/sqrt(n) via float64, decoded ±scale, + for >= 0)."""
+    scale = (torch.linalg.vector_norm(v.double(), dim=-1) / math.sqrt(v.shape[-1])).float()
+    return scale, torch.where(v >= 0, 1.0, -1.0) * scale[..., None]
+
+
+def simulate_allreduce(xs: torch.Tensor, we: torch.Tensor, se: torch.Tensor):
+    """All ranks at once: xs, we [W, N]; se [W, c] -> (m̄ [N], new we [W, N], new se [W, c])."""
+    world, n = xs.shape
+    c = n // world
+    y = (xs + we).view(world, world, c)        # [sender i, chunk j, c]
+    _, y_hat = _c(y)
+    z = y_hat[0].clone()
+    for i in range(1, world):                  # rank order
+        z += y_hat[i]
+    z = z / world + se                         # [chunk j = server rank j, c]
+    _, z_hat = _c(z)
+    return z_hat.reshape(n), (y - y_hat).view(world, n), z - z_hat
+
+
+def allreduce_inputs(world: int) -> torch.Tensor:
+    """[ROUNDS, W, N] inputs; round 0 has exact zeros and -0.0 (errors are 0 then)."""
+    n = padded(N_VALUES, world)
+    xs = torch.randn(ROUNDS, world, n, generator=torch.Generator().manual_seed(5)) * 0.01
+    xs[:, :, N_VALUES:] = 0.0                  # padding, as the optimizer sends it
+    xs[0, :, 3], xs[0, :, 4] = 0.0, -0.0
+    return xs
+
+
+def adam_reference(world: int, grads: list, steps: int) -> torch.optim.AdamW:
+    """torch.optim.AdamW on the mean (in rank order) of every rank's gradients."""
+    params = [torch.nn.Parameter(t) for t in initial_params()]
+    ref = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    for t in range(steps):
+        for k, p in enumerate(params):
+            p.grad = sum(grads[r][t][k] for r in range(world)) / world
+        ref.step()
+    return ref
+
+
+# ---- what the gloo workers run -------------------------------------------------------------
+
+class Recording(Communicator):
+    """The real communicator, keeping a copy of what each collective sent and received."""
+
+    def __init__(self):
+        super().__init__()
+        self.log = []
+
+    def all_to_all(self, buf, **kw):
+        out = super().all_to_all(buf, **kw)
+        self.log.append((buf.clone(), out.clone()))
+        return out
+
+    def all_gather(self, buf, **kw):
+        out = super().all_gather(buf, **kw)
+        self.log.append((buf.clone(), out.clone()))
+        return out
+
+
+def allreduce_rounds(rank: int, world: int) -> list:
+    comm = Recording()
+    n = padded(N_VALUES, world)
+    we, se = torch.zeros(n), torch.zeros(n // world)
+    rounds, workspace = [], {}
+    for t, xs in enumerate(allreduce_inputs(world)):
+        header = torch.empty(HEADER, dtype=torch.uint8)
+        write_header(header, t, 0)
+        before = comm.stats.as_dict()
+        we_new, se_new = we.clone(), se.clone()                     # updated in place
+        m_bar = compressed_allreduce(comm, xs[rank], we_new, se_new, header=header,
+                                     check=lambda h: read_headers(h, t), workspace=workspace)
+        rounds.append({"x": xs[rank], "we": we, "se": se, "m_bar": m_bar, "we_new": we_new, "se_new": se_new,
+                       "log": comm.log[-2:], "before": before, "after": comm.stats.as_dict()})
+        we, se = we_new, se_new
+    return rounds
+
+
+def initial_params() -> list:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randn(s, generator=gen) for s in SHAPES]
+
+
+def grads_of(rank: int) -> list:
+    gen = torch.Generator().manual_seed(100 + rank)
+    return [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(STEPS)]
+
+
+def optimizer_run(rank: int, world: int) -> dict:
+    """WARMUP Adam steps then STEPS - WARMUP compressed steps; parameters after each step."""
+    params = [torch.nn.Parameter(t) for t in initial_params()]
+    opt = APMSqueeze(params, lr=LR, warmup_steps=WARMUP, betas=BETAS, eps=EPS, weight_decay=WD)
+    history = []
+    for g in grads_of(rank):
+        for p, gk in zip(params, g):
+            p.grad = gk.clone()
+        opt.step()
+        history.append([p.detach().clone() for p in params])
+    return {"history": history, "worker_error": opt.worker_error, "server_error": opt.server_error,
+            "state_dict": opt.state_dict()}
+
+
+def _outcome(fn):
+    try:
+        fn()
+        return "ok"
+    except Exception as exc:  # the test inspects which error each rank saw
+        return type(exc).__name__ + ": " + str(exc)
+
+
+def _try_step(rank: int, world: int, params, opt, nan: bool) -> tuple[str, bool]:
+    """(outcome, parameters unchanged) of one step with all-ones gradients, NaN on the last rank if asked."""
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    if nan and rank == world - 1:
+        params[0].grad[1, 2] = float("nan")
+    status = _outcome(opt.step)
+    return status, all(torch.equal(a, b) for a, b in zip(before, params))
+
+
+def nonfinite_run(rank: int, world: int) -> dict:
+    """A NaN on the last rank in a warmup step, then in a compressed step, each followed by a
+    good step (which proves no rank was left inside a collective)."""
+    params = [torch.nn.Parameter(t) for t in initial_params()]
+    opt = APMSqueeze(params, lr=LR, warmup_steps=1, betas=BETAS)
+    result = {phase: (_try_step(rank, world, params, opt, nan=True), _try_step(rank, world, params, opt, nan=False))
+              for phase in ("warmup", "compressed")}
+    result["params"] = torch.cat([p.detach().reshape(-1) for p in params])
+    result["step"] = opt.steps_done
+    return result
+
+
+def mismatched_shapes(rank: int, world: int) -> str:
+    p = torch.nn.Parameter(torch.zeros(4, 4 + rank))
+    opt = APMSqueeze([p], lr=0.1, warmup_steps=0)
+    p.grad = torch.ones_like(p)
+    return _outcome(opt.step)
+
+
+def suite(rank: int, world: int, configs: dict) -> dict:
+    """Everything a world size needs, in one spawn (each spawn costs seconds of start-up)."""
+    torch.manual_seed(0)
+    out = {"contract": contract.run_contract(rank, world, configs),
+           "allreduce": allreduce_rounds(rank, world), "optimizer": optimizer_run(rank, world),
+           "grads": grads_of(rank)}
+    if world > 1:
+        out["nonfinite"] = nonfinite_run(rank, world)
+        out["mismatch"] = mismatched_shapes(rank, world)
+    out["numel"] = sum(p.numel() for p in problem.make_model().parameters())
+    return out

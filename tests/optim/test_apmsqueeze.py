@@ -1,0 +1,265 @@
+"""APMSqueeze on real gloo groups, world sizes 1-4, against independent references
+(tests/optim/apmsqueeze_reference.py): the two-phase compressed all-reduce against a
+single-process simulation and numpy decoding of the bytes actually sent, the error-feedback
+identity at both levels, warmup against torch.optim.AdamW on averaged gradients, the
+compressed phase against a simulation of the paper's equations, the contract suite, byte
+counts from the wire format, and bad peers and bad arguments.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from tests.dist import run_workers
+from tests.optim import apmsqueeze_reference as ref
+from tests.optim import contract
+from thinwire.optim.apmsqueeze import APMSqueeze
+
+FACTORY = ref.make_apmsqueeze
+CONFIGS = {
+    "apms": {"factory": FACTORY, "kwargs": {"lr": 0.01, "warmup_steps": 10}},
+    # resumed at step 25 while still in warmup; switches to compressed after the resume
+    "apms-resume-in-warmup": {"factory": FACTORY, "kwargs": {"lr": 0.01, "warmup_steps": 30, "weight_decay": 0.01}},
+    "apms-no-bias-correction": {"factory": FACTORY,
+                                "kwargs": {"lr": 0.003, "warmup_steps": 10, "bias_correction": False}},
+}
+WORLDS = [1, 2, 3, 4]
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
+def outcome(request):
+    world = request.param
+    return world, run_workers(ref.suite, world, args=(CONFIGS,), timeout=300)
+
+
+def _contract(outcome, name):
+    world, results = outcome
+    return contract.per_rank((world, [r["contract"] for r in results]), name)
+
+
+# ---- the compressed all-reduce --------------------------------------------------------------
+
+def test_allreduce_matches_single_process_simulation(outcome):
+    world, results = outcome
+    xs = ref.allreduce_inputs(world)
+    n = xs.shape[2]
+    we, se = torch.zeros(world, n), torch.zeros(world, n // world)
+    for t in range(ref.ROUNDS):
+        m_bar, we, se = ref.simulate_allreduce(xs[t], we, se)
+        for rank, rounds in enumerate(results):
+            got = rounds["allreduce"][t]
+            assert torch.equal(got["m_bar"], results[0]["allreduce"][t]["m_bar"])   # every rank decodes the same
+            torch.testing.assert_close(got["m_bar"], m_bar, rtol=1e-5, atol=1e-7)   # a few ulps of the ~0.01 scales
+            torch.testing.assert_close(got["we_new"], we[rank], rtol=1e-5, atol=1e-7)   # a few ulps of the ~0.01 scales
+            torch.testing.assert_close(got["se_new"], se[rank], rtol=1e-5, atol=1e-7)   # a few ulps of the ~0.01 scales
+        # the next round's simulation continues from what the ranks really hold
+        we = torch.stack([r["allreduce"][t]["we_new"] for r in results])
+        se = torch.stack([r["allreduce"][t]["se_new"] for r in results])
+
+
+def _one_rounding(decoded: torch.Tensor, error: torch.Tensor, target: torch.Tensor) -> None:
+    """decoded + error == target, summed exactly (float64), up to the one float32 rounding of
+    error = fl(target - decoded): |gap| <= 2^-24 |error| (1 + 2^-23). Exact equality cannot be
+    asked of float32 error feedback; the caller asserts error == fl(target - decoded) bit for bit."""
+    gap = (decoded.double() + error.double() - target.double()).abs()
+    assert bool((gap <= 2.0 ** -24 * (1 + 2.0 ** -23) * error.double().abs()).all()), float(gap.max())
+
+
+def test_error_feedback_identity_at_both_levels(outcome):
+    """decoded message + new error == input + old error, decoding the bytes on the wire."""
+    world, results = outcome
+    for t in range(ref.ROUNDS):
+        n = results[0]["allreduce"][t]["x"].numel()
+        c = n // world
+        y_hat = []
+        for rank, r in enumerate(results):
+            got = r["allreduce"][t]
+            sent = got["log"][0][0].view(world, -1)                   # phase 1: header | scale | signs
+            decoded = ref.np_decode(sent[:, ref.HEADER:], c).reshape(-1)
+            y = got["x"] + got["we"]
+            assert torch.equal(got["we_new"], y - decoded)            # the error is what C lost
+            _one_rounding(decoded, got["we_new"], y)
+            y_hat.append(decoded.view(world, c))
+        if t == 0:                                                    # exact zeros (and -0.0) go as +scale
+            assert bool((y_hat[0].reshape(-1)[3:5] > 0).all())
+        for j, r in enumerate(results):
+            got = r["allreduce"][t]
+            received = got["log"][0][1]                               # [W, header + 4 + c/8], from rank i
+            assert torch.equal(ref.np_decode(received[:, ref.HEADER:], c), torch.stack([y[j] for y in y_hat]))
+            z = y_hat[0][j].clone()
+            for y in y_hat[1:]:                                       # rank order, as documented
+                z = z + y[j]
+            z = z / world + got["se"]
+            z_hat = ref.np_decode(got["log"][1][0].view(1, -1), c)[0]  # phase 2: scale | signs
+            assert torch.equal(got["se_new"], z - z_hat)
+            _one_rounding(z_hat, got["se_new"], z)
+            assert torch.equal(got["m_bar"][j * c:(j + 1) * c], z_hat)
+
+
+def test_allreduce_bytes_equal_packed_sizes(outcome):
+    world, results = outcome
+    n = ref.padded(ref.N_VALUES, world)
+    c = n // world
+    phase1, phase2 = world * (ref.HEADER + 4 + c // 8), 4 + c // 8
+    for r in results:
+        for got in r["allreduce"]:
+            assert [buf.numel() for buf, _ in got["log"]] == [phase1, phase2]
+            assert got["after"]["payload_bytes"] - got["before"]["payload_bytes"] == phase1 + phase2
+            sent = phase1 * (world - 1) // world + phase2 * (world - 1)
+            assert got["after"]["link_bytes_sent"] - got["before"]["link_bytes_sent"] == sent
+
+
+# ---- the optimizer ------------------------------------------------------------------------
+
+def test_warmup_equals_adamw_on_averaged_gradients(outcome):
+    world, results = outcome
+    grads = [r["grads"] for r in results]
+    adam = ref.adam_reference(world, grads, ref.WARMUP)
+    for r in results:
+        for got, want in zip(r["optimizer"]["history"][ref.WARMUP - 1], adam.param_groups[0]["params"]):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_compressed_phase_follows_the_equations(outcome):
+    """After an AdamW warmup, m_i = β1 m̄ + (1−β1) g_i, m̄ = simulated two-phase all-reduce,
+    θ ← θ(1−ηλ) − η m̄/(1−β1^t) / (sqrt(v_Tw/(1−β2^Tw)) + ε)."""
+    world, results = outcome
+    grads = [r["grads"] for r in results]
+    adam = ref.adam_reference(world, grads, ref.WARMUP)
+    params = [p.detach().clone() for p in adam.param_groups[0]["params"]]
+    m = [adam.state[p]["exp_avg"].clone() for p in adam.param_groups[0]["params"]]
+    v = [adam.state[p]["exp_avg_sq"].clone() for p in adam.param_groups[0]["params"]]
+    sizes = [p.numel() for p in params]
+    n = ref.padded(sum(sizes), world)
+    we, se = torch.zeros(world, n), torch.zeros(world, n // world)
+    (beta1, beta2), tw = ref.BETAS, ref.WARMUP
+    for t in range(ref.WARMUP + 1, ref.STEPS + 1):
+        xs = torch.zeros(world, n)
+        for i in range(world):
+            flat_g = torch.cat([g.reshape(-1) for g in grads[i][t - 1]])
+            flat_m = torch.cat([mk.reshape(-1) for mk in m])
+            xs[i, :flat_g.numel()] = beta1 * flat_m + (1 - beta1) * flat_g
+        m_bar, we, se = ref.simulate_allreduce(xs, we, se)
+        m = list(m_bar[:sum(sizes)].split(sizes))
+        m = [mk.view(p.shape) for mk, p in zip(m, params)]
+        for k, p in enumerate(params):
+            denom = (v[k] / (1 - beta2 ** tw)).sqrt() + ref.EPS
+            params[k] = p * (1 - ref.LR * ref.WD) - ref.LR / (1 - beta1 ** t) * m[k] / denom
+        for r in results:
+            for got, want in zip(r["optimizer"]["history"][t - 1], params):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_contract_replicas_identical_and_resume_in_lockstep(outcome, name):
+    world, ranks = _contract(outcome, name)
+    contract.assert_replicas_identical(world, ranks)
+    contract.assert_resume_identical(ranks)
+    contract.assert_loss_falls(ranks)
+
+
+def _expected_step(world: int, numel: int, compressed: bool) -> dict:
+    if not compressed:                                               # one fp32 all-reduce
+        n = 4 * numel
+        link = 2 * n * (world - 1) // world
+        return {"payload_bytes": n, "link_bytes_sent": link, "link_bytes_received": link, "collectives": 1}
+    c = math.ceil(numel / (8 * world)) * 8                           # chunk: N / W, N padded to 8W
+    phase1, phase2 = world * (8 + 4 + c // 8), 4 + c // 8             # all_to_all, all_gather
+    link = phase1 * (world - 1) // world + phase2 * (world - 1)
+    return {"payload_bytes": phase1 + phase2, "link_bytes_sent": link, "link_bytes_received": link,
+            "collectives": 2}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_contract_bytes_counted_equal_wire_format(outcome, name):
+    world, ranks = _contract(outcome, name)
+    numel, warmup = outcome[1][0]["numel"], CONFIGS[name]["kwargs"]["warmup_steps"]
+    handshake = 8 if world > 1 else 0
+    for result in ranks:
+        for step, counters in enumerate(result["counters"], start=1):
+            expected = _expected_step(world, numel, step > warmup)
+            if step == 1 and world > 1:
+                expected = {"payload_bytes": expected["payload_bytes"] + handshake,
+                            "link_bytes_sent": expected["link_bytes_sent"] + handshake * (world - 1),
+                            "link_bytes_received": expected["link_bytes_received"] + handshake * (world - 1),
+                            "collectives": expected["collectives"] + 1}
+            assert counters == expected, step
+
+
+# ---- bad peers, bad resumes, bad arguments ------------------------------------------------------
+
+def test_nonfinite_momentum_raises_on_every_rank_in_both_phases(outcome):
+    world, results = outcome
+    if world == 1:
+        pytest.skip("needs peers")
+    for r in results:
+        for phase in ("warmup", "compressed"):
+            (status, unchanged), (after, _) = r["nonfinite"][phase]
+            assert status.startswith("NonFiniteGradientError") and unchanged, (phase, status)
+            assert after == "ok", (phase, after)             # nobody was left inside a collective
+        assert r["nonfinite"]["step"] == 2
+        assert torch.equal(r["nonfinite"]["params"], results[0]["nonfinite"]["params"])
+    assert f"rank(s) [{world - 1}]" in results[0]["nonfinite"]["compressed"][0][0]
+
+
+def test_mismatched_shapes_fail_on_every_rank(outcome):
+    world, results = outcome
+    if world == 1:
+        pytest.skip("needs peers")
+    assert all(r["mismatch"].startswith("PeerMismatchError") for r in results), [r["mismatch"] for r in results]
+
+
+def test_resume_on_another_world_size_or_rank(outcome):
+    world, results = outcome
+    if world == 1:
+        pytest.skip("needs a multi-rank checkpoint")
+    saved = results[0]["optimizer"]["state_dict"]                   # rank 0 of `world`, compressed phase
+    params = [torch.nn.Parameter(t) for t in ref.initial_params()]
+    with pytest.raises(ValueError, match=f"rank 0 of {world}"):
+        APMSqueeze(params, lr=ref.LR, warmup_steps=ref.WARMUP).load_state_dict(saved)
+    opt = APMSqueeze(params, lr=ref.LR, warmup_steps=ref.WARMUP, error_resume="reset")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_state_dict(saved)
+    assert any("restart from zero" in str(w.message) for w in caught)
+    assert opt.worker_error is None and opt.steps_done == ref.STEPS
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()                                                      # world of one: continues, compressed
+    assert opt.comm_stats.last_step.collectives == 2 and opt.worker_error.abs().sum() > 0
+
+
+def test_bad_arguments():
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    for kwargs, name in [({"warmup_steps": -1}, "warmup_steps"), ({"warmup_steps": 2.5}, "warmup_steps"),
+                         ({"betas": (1.0, 0.9)}, "betas"), ({"betas": (0.9, -0.1)}, "betas"),
+                         ({"eps": 0.0}, "eps"), ({"eps": -1e-8}, "eps"), ({"lr": -1.0}, "lr"),
+                         ({"weight_decay": -0.1}, "weight_decay"), ({"error_resume": "keep"}, "error_resume")]:
+        args = {"lr": 0.1, "warmup_steps": 1, **kwargs}
+        with pytest.raises(ValueError, match=name):
+            APMSqueeze(p, **args)
+    opt = APMSqueeze(p, lr=0.1, warmup_steps=1)
+    with pytest.raises(ValueError, match="eps"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "eps": 0.0})
+
+
+@pytest.mark.parametrize("mask_unseen", [True, False])
+def test_coordinates_without_warmup_gradient(mask_unseen):
+    """v_Tw = 0 where no gradient arrived in warmup: the 1-bit m̄ still gives such coordinates
+    ±scale, and m̄ / ε throws them far (the paper's update); mask_unseen leaves them alone."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.zeros(64))
+    opt = APMSqueeze([p], lr=0.01, warmup_steps=2, mask_unseen=mask_unseen)
+    for _ in range(4):
+        p.grad = torch.randn(64, generator=gen)
+        p.grad[:8] = 0.0
+        opt.step()
+    assert float(p.detach()[8:].abs().max()) < 0.1                   # seen coordinates: Adam-sized steps
+    if mask_unseen:
+        assert torch.equal(p.detach()[:8], torch.zeros(8))
+    else:
+        assert float(p.detach()[:8].abs().min()) > 1e3                # ~ lr * scale / eps

@@ -1,0 +1,350 @@
+"""EF21Muon: reduces to torch.optim.Muon, matches an independent simulation of the paper's
+equations, both topologies give one trajectory, contract suite, bad peers and arguments.
+
+Expected values come from torch.optim.Muon, from the simulation written below (sorting
+for Top-K, torch's own Newton-Schulz), and from message sizes derived by hand.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.optim._muon import _zeropower_via_newtonschulz
+
+from tests.dist import run_workers
+from tests.optim import contract, problem
+from thinwire.optim.ef21_muon import EF21Muon
+from thinwire.optim.protocol import NonFiniteGradientError
+
+NS = dict(ns_coefficients=(3.4445, -4.7750, 2.0315), ns_steps=5, eps=1e-7)
+
+
+def ef21(params, split_lmo=None, **kwargs):
+    """Contract factory; split_lmo puts the 1-D parameters in their own group with that LMO."""
+    if split_lmo is None:
+        return EF21Muon(params, **kwargs)
+    groups = [{"params": [p for p in params if p.dim() >= 2]},
+              {"params": [p for p in params if p.dim() < 2], "lmo": split_lmo}]
+    return EF21Muon(groups, **kwargs)
+
+
+# ---- the contract, with message sizes derived by hand for problem's shapes --------------
+# shapes (37, 24), (37,), (10, 37), (10,): 888, 37, 370 and 10 elements; index widths 10, 6, 9, 4 bits
+def topk_natural(ks, widths):
+    return sum(math.ceil(k * w / 8) + math.ceil(k / 8) + k for k, w in zip(ks, widths))
+
+
+WIDTHS = (10, 6, 9, 4)
+SIZES = (888, 37, 370, 10)
+CONFIGS = {  # name: (config, uplink bytes, downlink bytes), headers (8) included
+    # K = round(0.05 n) = 44, 2, 18, 1 (at least 1); identity down: 4 bytes per element
+    "server-topk-natural": ({"factory": ef21, "kwargs": {"lr": 0.02, "uplink": "topk:0.05+natural"}},
+                            8 + topk_natural((44, 2, 18, 1), WIDTHS), 8 + 4 * sum(SIZES)),
+    # Rand-K up: K = round(0.3 n) = 266, 11, 111, 3 fp32 values, no indices; down K = round(0.2 n)
+    "replicated-randk": ({"factory": ef21, "kwargs": {"lr": 0.02, "beta": 0.2, "uplink": "randk:0.3",
+                                                        "topology": "replicated", "downlink": "topk:0.2+natural"}},
+                         8 + 4 * (266 + 11 + 111 + 3), 8 + topk_natural((178, 7, 74, 2), WIDTHS)),
+    # chunk 16 (test_contract.GEOMETRY): chunks x elements (6, 192), (3, 16), (3, 160), (1, 10); k = 8,
+    # 8/4/8/4-bit indices, int8: 4 bytes per chunk + 1 per value. natural down: 9 bits per element
+    "server-dct-int8": ({"factory": ef21, "kwargs": {"lr": 0.02, "uplink": "dct-topk:8:16+int8",
+                                                       "downlink": "natural"}},
+                        8 + sum(math.ceil(c * 8 * w / 8) + 4 * c + 8 * c for c, w in ((6, 8), (3, 4), (3, 8), (1, 4))),
+                        8 + sum(math.ceil(n / 8) + n for n in SIZES)),
+    # rank 2: factors (37 + 24) * 2 and (10 + 37) * 2 values; vectors go whole; bf16 down
+    "server-rank-sign": ({"factory": ef21, "kwargs": {"lr": 0.02, "uplink": "rank:2", "downlink": "identity+bf16",
+                                                        "split_lmo": "sign"}},
+                         8 + 4 * ((37 + 24) * 2 + 37 + (10 + 37) * 2 + 10), 8 + 2 * sum(SIZES)),
+}
+SPAWNED = 3
+WORLDS = {1: list(CONFIGS), SPAWNED: ["server-topk-natural", "replicated-randk"]}   # CPU time is scarce
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
+def outcome(request):
+    world = request.param
+    configs = {name: CONFIGS[name][0] for name in WORLDS[world]}
+    if world == 1:   # no process group needed: run in this process (one thread, as a worker) to save a spawn
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return 1, [contract.run_contract(0, 1, configs)]
+        finally:
+            torch.set_num_threads(threads)
+    return world, [r["contract"] for r in request.getfixturevalue("spawned")]
+
+
+def expected_counters(name: str, world: int, rank: int) -> dict:
+    cfg, up, down = CONFIGS[name]
+    if cfg["kwargs"].get("topology") == "replicated":          # one all_gather, nothing sent down
+        return {"payload_bytes": up, "link_bytes_sent": up * (world - 1), "link_bytes_received": up * (world - 1),
+                "collectives": 1}
+    if world == 1:
+        return {"payload_bytes": up + down, "link_bytes_sent": 0, "link_bytes_received": 0, "collectives": 2}
+    if rank == 0:                                               # gather root, broadcast source
+        return {"payload_bytes": up + down, "link_bytes_sent": down * (world - 1),
+                "link_bytes_received": up * (world - 1), "collectives": 2}
+    return {"payload_bytes": up, "link_bytes_sent": up, "link_bytes_received": down, "collectives": 2}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_contract(outcome, name):
+    if name not in WORLDS[outcome[0]]:
+        pytest.skip(f"{name} runs at world sizes {[w for w, names in WORLDS.items() if name in names]}")
+    world, ranks = contract.per_rank(outcome, name)
+    contract.assert_replicas_identical(world, ranks)
+    contract.assert_resume_identical(ranks)
+    contract.assert_loss_falls(ranks)
+    hand = {"payload_bytes": 8, "link_bytes_sent": 8 * (world - 1), "link_bytes_received": 8 * (world - 1),
+            "collectives": 1} if world > 1 else None
+    for rank, result in enumerate(ranks):
+        expected = expected_counters(name, world, rank)
+        first, *rest = result["counters"]
+        assert first == ({k: v + hand[k] for k, v in expected.items()} if hand else expected)
+        assert all(c == expected for c in rest)
+        assert result["by_tag"]["payload"]["payload_bytes"] == CONFIGS[name][1] * contract.STEPS   # uplink
+
+
+# ---- reduction to Muon, one process ------------------------------------------------------
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(24, 64, bias=False), torch.nn.Tanh(),
+                               torch.nn.Linear(64, 10, bias=False))
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_identity_single_worker_is_torch_muon_bit_for_bit(weight_decay):
+    ours, ref = _mlp(), _mlp()
+    # beta = 0.125: 1 - (1 - 0.125) == 0.125 exactly, so both lerp with the same weight
+    opt = EF21Muon(ours.parameters(), lr=0.02, beta=0.125, weight_decay=weight_decay, uplink="identity",
+                   downlink="identity")
+    muon = torch.optim.Muon(ref.parameters(), lr=0.02, momentum=0.875, nesterov=False, weight_decay=weight_decay,
+                            adjust_lr_fn="original")
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(12):
+        x, y = torch.randn(32, 24, generator=gen), torch.randn(32, 10, generator=gen)
+        for model, o in ((ours, opt), (ref, muon)):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            o.step()
+            o.zero_grad()
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            assert torch.equal(p, q)
+    state = opt.state[next(iter(ours.parameters()))]
+    assert set(state) == {"step", "momentum", "estimate", "server_estimate", "server_model"}
+
+
+def test_layerwise_lmos_and_conv_flattening():
+    conv = torch.nn.Parameter(torch.randn(6, 3, 2, 2))
+    vec, emb = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(7, 4))
+    start = [t.detach().clone() for t in (conv, vec, emb)]
+    opt = EF21Muon([{"params": [conv]}, {"params": [vec], "lmo": "rms"}, {"params": [emb], "lmo": "sign", "lr": 0.5}],
+                   lr=0.1, beta=1.0, uplink="identity", downlink="identity")
+    grads = [torch.randn_like(t) for t in (conv, vec, emb)]
+    for t, g in zip((conv, vec, emb), grads):
+        t.grad = g.clone()
+    opt.step()
+    # beta = 1: G = the gradient. conv: 6 x 12 matrix, wide, scale 1
+    ns = _zeropower_via_newtonschulz(grads[0].reshape(6, 12), **NS).reshape(6, 3, 2, 2)
+    torch.testing.assert_close(conv.detach(), start[0] - 0.1 * ns.float())
+    assert torch.allclose(vec.detach(), start[1] - 0.1 * math.sqrt(5) * grads[1] / grads[1].norm())
+    assert torch.equal(emb.detach(), start[2] - 0.5 * grads[2].sign())
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"lr": -1.0}, "lr"), ({"beta": 0.0}, "beta"), ({"beta": 1.5}, "beta"), ({"lmo": "adam"}, "lmo"),
+    ({"weight_decay": -0.1}, "weight_decay"), ({"topology": "ring"}, "topology"), ({"uplink": "gzip"}, "uplink"),
+    ({"uplink": "topk:0"}, "uplink"), ({"downlink": "randk:2"}, "downlink"), ({"downlink": "rank:0"}, "downlink"),
+    ({"nonfinite": "ignore"}, "nonfinite"), ({"seed": 1.5}, "seed"), ({"lmo": "spectral"}, "spectral"),
+])
+def test_bad_arguments_raise_naming_the_argument(kwargs, name):
+    params = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))]
+    with pytest.raises(ValueError, match=name):
+        EF21Muon(params, **kwargs)
+
+
+# ---- multi-process: dense Muon, the simulation, topologies ------------------------------
+def _train(rank, model, opt, steps):
+    for step in range(steps):
+        x, y = problem.batch(rank, step)
+        problem.loss_on(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return problem.flat_params(model)
+
+
+def _agreement_worker(rank, world):
+    import thinwire
+    out = {}
+    mlp = lambda: torch.nn.Sequential(torch.nn.Linear(24, 37, bias=False), torch.nn.Tanh(),  # noqa: E731
+                                      torch.nn.Linear(37, 10, bias=False))
+    torch.manual_seed(0)
+    model = mlp()
+    out["ef21-identity"] = _train(rank, model, EF21Muon(model.parameters(), lr=0.02, beta=0.125, uplink="identity",
+                                                        downlink="identity"), 10)
+    torch.manual_seed(0)
+    model = mlp()
+    dense = thinwire.DenseAllReduce(torch.optim.Muon(model.parameters(), lr=0.02, momentum=0.875, nesterov=False,
+                                                     weight_decay=0.0, adjust_lr_fn="original"))
+    out["dense-muon"] = _train(rank, model, dense, 10)
+    for topology in ("server", "replicated"):
+        model = problem.make_model()
+        opt = EF21Muon(model.parameters(), lr=0.02, beta=0.1, uplink="topk:0.1", downlink="identity+bf16",
+                       topology=topology)
+        out[f"topk-{topology}"] = _train(rank, model, opt, 8)
+        model = problem.make_model()
+        opt = EF21Muon(model.parameters(), lr=0.02, uplink="randk:0.2+natural", downlink="dct-topk:4:8+int8",
+                       topology=topology, seed=3)
+        out[f"random-{topology}"] = _train(rank, model, opt, 8)
+    return out
+
+
+def _spawned_worker(rank, world):
+    configs = {name: CONFIGS[name][0] for name in WORLDS[SPAWNED]}
+    return {"contract": contract.run_contract(rank, world, configs), "agreement": _agreement_worker(rank, world),
+            "failures": _failures_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    """One spawn of SPAWNED gloo workers for the contract, agreement and bad-peer checks:
+    on this shared 2-core machine a spawn costs ~10 s, so everything shares it."""
+    return run_workers(_spawned_worker, SPAWNED, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def agreement(spawned):
+    return [r["agreement"] for r in spawned]
+
+
+def test_several_workers_identity_equals_dense_allreduce_muon(agreement):
+    for rank_result in agreement:   # same math, different summation order: a few float32 ulps
+        torch.testing.assert_close(rank_result["ef21-identity"], rank_result["dense-muon"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["topk", "random"])
+def test_topologies_give_the_same_trajectory_bit_for_bit(agreement, kind):
+    for rank_result in agreement:
+        assert torch.equal(rank_result[f"{kind}-server"], rank_result[f"{kind}-replicated"])
+    assert torch.equal(agreement[0][f"{kind}-server"], agreement[1][f"{kind}-server"])
+
+
+def _topk(x, ratio):
+    """Independent Top-K: keep the round(ratio * d) largest magnitudes, found by sorting."""
+    flat = x.flatten()
+    keep = flat.abs().argsort(descending=True)[: max(1, round(ratio * flat.numel()))]
+    out = torch.zeros_like(flat)
+    out[keep] = flat[keep]
+    return out.view_as(x)
+
+
+def _lmo(g):
+    if g.dim() >= 2:
+        return _zeropower_via_newtonschulz(g, **NS).float() * math.sqrt(max(1, g.shape[0] / g.shape[1]))
+    return g * math.sqrt(g.numel()) / g.norm()        # rms LMO for the biases
+
+
+def test_matches_an_independent_simulation_of_the_equations(agreement):
+    """The paper's equations for n workers in one process: M_j, G_j per worker; G, X, W.
+    (Top-K on the downlink is left to the topology test: X - W after a step is a multiple of
+    a bf16 matrix, full of ties that sorting and torch.topk may break differently.)"""
+    n = len(agreement)
+    model = problem.make_model()
+    w = [p.detach().clone() for p in model.parameters()]
+    x = [t.clone() for t in w]
+    g_server = [torch.zeros_like(t) for t in w]
+    m = [[torch.zeros_like(t) for t in w] for _ in range(n)]
+    g_worker = [[torch.zeros_like(t) for t in w] for _ in range(n)]
+    for step in range(8):
+        r = [[None] * len(w) for _ in range(n)]
+        for j in range(n):
+            with torch.no_grad():
+                for p, t in zip(model.parameters(), w):
+                    p.copy_(t)
+            model.zero_grad()
+            problem.loss_on(model, *problem.batch(j, step)).backward()
+            for i, p in enumerate(model.parameters()):
+                m[j][i] = torch.lerp(m[j][i], p.grad, 0.1)       # (1 - beta) M + beta grad
+                r[j][i] = _topk(m[j][i] - g_worker[j][i], 0.1)
+                g_worker[j][i] = g_worker[j][i] + r[j][i]
+        for i in range(len(w)):
+            g_server[i] = g_server[i] + sum(r[j][i] for j in range(n)) / n
+            x[i] = x[i] - 0.02 * _lmo(g_server[i])
+            w[i] = w[i] + (x[i] - w[i]).bfloat16().float()     # downlink: S in bf16
+    simulated = torch.cat([t.reshape(-1) for t in w])
+    torch.testing.assert_close(agreement[0]["topk-server"], simulated, rtol=1e-4, atol=1e-5)
+
+
+# ---- bad peers ---------------------------------------------------------------------------
+def _outcome(fn):
+    try:
+        return "ok", fn()
+    except Exception as exc:  # the test inspects which error each rank saw
+        return type(exc).__name__, str(exc)
+
+
+def _failures_worker(rank, world):
+    out = {}
+    for topology in ("server", "replicated"):
+        for policy in ("raise", "skip"):
+            torch.manual_seed(0)
+            p = torch.nn.Parameter(torch.randn(16, 16))
+            opt = EF21Muon([p], uplink="topk:0.1", topology=topology, nonfinite=policy)
+            before = p.detach().clone()
+            p.grad = torch.randn_like(p)
+            if rank == world - 1:
+                p.grad[2, 3] = float("inf")
+            status = _outcome(opt.step)
+            unchanged = torch.equal(p.detach(), before) and not opt.state[p]["momentum"].any()
+            p.grad = torch.ones_like(p)                 # the next step works: nobody is stuck
+            out[topology, policy] = (status[0], unchanged, _outcome(opt.step)[0], p.detach().clone())
+        p = torch.nn.Parameter(torch.ones(8, 8))
+        opt = EF21Muon([p], topology=topology)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        if rank == 1:
+            opt.state[p]["step"] += 3                   # as if resumed from another checkpoint
+        out[topology, "lockstep"] = _outcome(opt.step)[0]
+        q = torch.nn.Parameter(torch.randn(8, 8 + rank))
+        q.grad = torch.randn_like(q)
+        out[topology, "shapes"] = _outcome(EF21Muon([q], topology=topology).step)[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def failures(spawned):
+    return [r["failures"] for r in spawned]
+
+
+@pytest.mark.parametrize("topology", ["server", "replicated"])
+def test_nonfinite_gradient_is_an_error_on_every_rank_and_changes_nothing(failures, topology):
+    raised = [r[topology, "raise"] for r in failures]
+    assert all(s == "NonFiniteGradientError" and unchanged and after == "ok" for s, unchanged, after, _ in raised)
+    skipped = [r[topology, "skip"] for r in failures]
+    assert all(s == "ok" and unchanged and after == "ok" for s, unchanged, after, _ in skipped)
+    assert all(torch.equal(r[3], skipped[0][3]) for r in skipped + raised)
+
+
+@pytest.mark.parametrize("topology", ["server", "replicated"])
+def test_bad_peers_fail_on_every_rank(failures, topology):
+    assert all(r[topology, "lockstep"] == "PeerMismatchError" for r in failures)
+    assert all(r[topology, "shapes"] == "PeerMismatchError" for r in failures)
+
+
+def test_single_process_nonfinite_raises():
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    p.grad = torch.full_like(p, float("nan"))
+    with pytest.raises(NonFiniteGradientError):
+        EF21Muon([p]).step()
+
+
+def test_compressor_objects_are_accepted():
+    from thinwire.compress import ChunkedTopK
+    from thinwire.compress.sparse import TopK
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    opt = EF21Muon([p], uplink=TopK(0.25, "natural"), downlink=ChunkedTopK(4, 4, "dct", "int8"))
+    assert (opt.uplink.name, opt.downlink.name) == ("topk:0.25+natural", "dct-topk:4:4+int8")
+    p.grad = torch.randn_like(p)
+    opt.step()
+    # 16 of 64 values: 6-bit indices (12 bytes) + 2 sign bytes + 16 exponent bytes, and the header
+    assert opt.comm_stats.by_tag["payload"].payload_bytes == 8 + 12 + 2 + 16

@@ -1,0 +1,309 @@
+"""LoRDO on real gloo groups (world sizes 1 and 3) and in-process: the paper's equations
+against an independent single-process simulation of W workers, AdamW equivalence where it
+holds, moment shapes, basis refresh, the contract suite adapted to infrequent syncs
+(replicas compared right after the final sync: 50 steps, K divides 50), byte counts from
+the wire format, bad peers and bad arguments.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from tests.dist import run_workers
+from tests.optim import contract, problem
+from thinwire.ops import lowrank
+from thinwire.optim.lordo import LoRDO
+from thinwire.optim.protocol import NonFiniteGradientError, PeerMismatchError
+
+
+def make_lordo(params, **kwargs):
+    return LoRDO(params, **kwargs)
+
+
+BASE = {"lr": 0.01, "rank": 4, "sync_every": 10, "omega": 0.97, "clip": 1.0}
+CONFIGS = {
+    "lordo": {"factory": make_lordo, "kwargs": BASE},
+    "lordo-k5-int8": {"factory": make_lordo, "kwargs": {**BASE, "sync_every": 5, "wire": "int8"}},
+    "lordo-bf16-outer": {"factory": make_lordo, "kwargs": {**BASE, "sync_every": 5, "wire": "bf16",
+                                                           "outer_lr": 0.7, "outer_momentum": 0.5}},
+    "lordo-no-ef-wd": {"factory": make_lordo, "kwargs": {**BASE, "error_feedback": False, "weight_decay": 0.01}},
+}
+REF = {"lr": 0.01, "rank": 3, "sync_every": 4, "omega": 0.8, "clip": 0.5, "betas": (0.9, 0.95), "eps": 1e-8,
+       "weight_decay": 0.01}
+REF_STEPS = 12
+WORLDS = [1, 3]
+NUMEL = sum(p.numel() for p in problem.make_model().parameters())   # 24*37 + 37 + 37*10 + 10 = 1305
+
+
+def _outcome(fn):
+    try:
+        return "ok", fn()
+    except Exception as exc:  # the test inspects which error each rank saw
+        return type(exc).__name__, str(exc)
+
+
+def _mismatched_shapes(rank):
+    p = torch.nn.Parameter(torch.randn(16, 16 if rank == 0 else 17))
+    opt = LoRDO([p], rank=2, sync_every=1)
+    p.grad = torch.randn_like(p)
+    return _outcome(opt.step)
+
+
+def _nan_on_last_rank(rank, world, wire):
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(12, 8))
+    opt = LoRDO([p], rank=2, sync_every=2, wire=wire)
+    statuses = []
+    for step in range(2):
+        p.grad = torch.randn_like(p)
+        if step == 1 and rank == world - 1:
+            p.grad[3, 5] = float("nan")
+        statuses.append(_outcome(opt.step)[0])
+    return statuses
+
+
+def _reference_run(rank, world):
+    model = problem.make_model()
+    opt = LoRDO(list(model.parameters()), **REF)
+    for step in range(REF_STEPS):
+        x, y = problem.batch(rank, step)
+        problem.loss_on(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    moments = [(opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone()) for p in model.parameters()]
+    return {"params": problem.flat_params(model), "moments": moments}
+
+
+def suite(rank, world, configs):
+    wires = {w: _nan_on_last_rank(rank, world, w) for w in ("fp32", "int8")}
+    return {"mismatch": _mismatched_shapes(rank) if world > 1 else None, "nan": wires,
+            "reference": _reference_run(rank, world), "contract": contract.run_contract(rank, world, configs)}
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
+def outcome(request):
+    world = request.param
+    if world == 1:      # a world of one needs no process group: skip the spawn's cost
+        return world, [suite(0, 1, CONFIGS)]
+    return world, run_workers(suite, world, args=(CONFIGS,), timeout=300)
+
+
+def _contract(outcome, name):
+    world, results = outcome
+    return contract.per_rank((world, [r["contract"] for r in results]), name)
+
+
+# ---- contract, adapted: replicas identical right after the last sync (step 50) ------------
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_replicas_bit_identical_after_sync(outcome, name):
+    contract.assert_replicas_identical(*_contract(outcome, name))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_resume_continues_bit_identically(outcome, name):
+    contract.assert_resume_identical(_contract(outcome, name)[1])
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_loss_falls(outcome, name):
+    contract.assert_loss_falls(_contract(outcome, name)[1])
+
+
+def sync_counters(kwargs: dict, world: int) -> dict:
+    """Per-sync counters from the documented formats: fp32 all-reduce of n + 3 floats;
+    bf16 / int8 all-gather of an 8-byte header plus the encoded delta."""
+    wire = kwargs.get("wire", "fp32")
+    if wire == "fp32":
+        n = 4 * (NUMEL + 3)
+        link = 2 * n * (world - 1) // world
+    else:
+        blocks = math.ceil(NUMEL / 256)
+        n = 8 + (2 * NUMEL if wire == "bf16" else 4 * blocks + 256 * blocks)
+        link = n * (world - 1)
+    return {"payload_bytes": n, "link_bytes_sent": link, "link_bytes_received": link, "collectives": 1}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_bytes_counted_equal_wire_format(outcome, name):
+    world, per_rank = _contract(outcome, name)
+    kwargs = CONFIGS[name]["kwargs"]
+    k, sync = kwargs["sync_every"], sync_counters(kwargs, world)
+    zero = dict.fromkeys(sync, 0)
+    handshake = {"payload_bytes": 8, "link_bytes_sent": 8 * (world - 1), "link_bytes_received": 8 * (world - 1),
+                 "collectives": 1} if world > 1 else zero
+    for result in per_rank:
+        for step, counters in enumerate(result["counters"], start=1):
+            expected = sync if step % k == 0 else zero
+            if step == 1:
+                expected = {key: expected[key] + handshake[key] for key in expected}
+            assert counters == expected, step
+        assert result["by_tag"]["payload"] == {key: v * (contract.STEPS // k) for key, v in sync.items()}
+
+
+# ---- the equations, against an independent simulation of W workers -------------------------
+
+def simulate(world: int):
+    """The paper's local step and sync for W workers in one process, written from the
+    equations (module docstring of lordo.py), in float32."""
+    lr, r, k, om, rho, (b1, b2), eps, wd = (REF[x] for x in ("lr", "rank", "sync_every", "omega", "clip",
+                                                            "betas", "eps", "weight_decay"))
+    models = [problem.make_model() for _ in range(world)]
+    anchor = [p.detach().clone() for p in models[0].parameters()]
+    st = [[{} for _ in anchor] for _ in range(world)]
+    for t in range(1, REF_STEPS + 1):
+        for m, model in enumerate(models):
+            x, y = problem.batch(m, t - 1)
+            grads = torch.autograd.grad(problem.loss_on(model, x, y), list(model.parameters()))
+            with torch.no_grad():
+                for i, (p, g) in enumerate(zip(model.parameters(), grads)):
+                    s = st[m][i]
+                    g = g * min(1.0, rho / float(g.norm()))
+                    p.mul_(1 - lr * wd)
+                    if p.dim() == 1:
+                        s.setdefault("u", torch.zeros_like(p)), s.setdefault("v", torch.zeros_like(p))
+                        s["u"] = b1 * s["u"] + (1 - b1) * g
+                        s["v"] = b2 * s["v"] + (1 - b2) * g * g
+                        p.sub_(lr * (s["u"] / (1 - b1 ** t)) / ((s["v"] / (1 - b2 ** t)).sqrt() + eps))
+                        continue
+                    rows, cols = p.shape
+                    right = rows >= cols
+                    s.setdefault("Q", torch.eye(cols if right else rows)[:, :r])
+                    s.setdefault("E", torch.zeros_like(p))
+                    q, a = s["Q"], g + s["E"]
+                    low = a @ q if right else q.T @ a
+                    s["E"] = a - (low @ q.T if right else q @ low)
+                    s.setdefault("u", torch.zeros_like(low)), s.setdefault("v", torch.zeros_like(low))
+                    s["u"] = b1 * s["u"] + (1 - b1) * low
+                    s["v"] = b2 * s["v"] + (1 - b2) * low * low
+                    d = (s["v"] / (1 - b2 ** t)).sqrt() + eps
+                    n = s["u"] / (1 - b1 ** t) / d
+                    p.sub_(lr * (om * (n @ q.T if right else q @ n) + (1 - om) * g / d.mean()))
+        if t % k == 0:
+            with torch.no_grad():
+                for i in range(len(anchor)):
+                    delta = torch.stack([list(mm.parameters())[i] - anchor[i] for mm in models]).mean(0)
+                    anchor[i] = anchor[i] + delta
+                    for m, model in enumerate(models):
+                        list(model.parameters())[i].copy_(anchor[i])
+                        s = st[m][i]
+                        if "Q" not in s:
+                            continue
+                        right = delta.shape[0] >= delta.shape[1]
+                        uu, _, vh = torch.linalg.svd(delta, full_matrices=False)
+                        q_new = vh[:r].T if right else uu[:, :r]
+                        c = s["Q"].T @ q_new
+                        s["u"] = s["u"] @ c if right else c.T @ s["u"]
+                        s["v"] = s["v"] @ (c * c) if right else (c * c).T @ s["v"]
+                        s["Q"] = q_new
+    return [problem.flat_params(mm) for mm in models], st
+
+
+def test_matches_independent_simulation(outcome):
+    world, results = outcome
+    params, states = simulate(world)
+    for m, result in enumerate(results):
+        torch.testing.assert_close(result["reference"]["params"], params[m], rtol=1e-4, atol=1e-6)
+        assert torch.equal(result["reference"]["params"], results[0]["reference"]["params"])  # synced at 12
+        for i, (u, v) in enumerate(result["reference"]["moments"]):   # per-rank moments differ by design
+            torch.testing.assert_close(u, states[m][i]["u"], rtol=1e-3, atol=1e-7)
+            torch.testing.assert_close(v, states[m][i]["v"], rtol=1e-3, atol=1e-9)
+
+
+# ---- bad peers ---------------------------------------------------------------------------
+
+def test_mismatched_shapes_fail_on_every_rank(outcome):
+    world, results = outcome
+    if world == 1:
+        pytest.skip("needs peers")
+    assert all(r["mismatch"][0] == "PeerMismatchError" for r in results), [r["mismatch"] for r in results]
+    assert "differ across ranks" in results[0]["mismatch"][1]
+
+
+@pytest.mark.parametrize("wire", ["fp32", "int8"])
+def test_nonfinite_delta_raises_on_every_rank_at_the_sync(outcome, wire):
+    _, results = outcome
+    assert all(r["nan"][wire] == ["ok", "NonFiniteGradientError"] for r in results), [r["nan"] for r in results]
+
+
+# ---- in-process properties ---------------------------------------------------------------
+
+def _train_one_rank(opt, model, steps):
+    for step in range(steps):
+        x, y = problem.batch(0, step)
+        problem.loss_on(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.filterwarnings("ignore:LoRDO rank")
+def test_full_rank_omega1_no_clip_before_refresh_is_adamw():
+    """rank = min(p, q), ω = 1, clip off, one rank, no sync yet: Q is the identity, E = 0,
+    so every step is torch.optim.AdamW's. (Why later syncs are not: module docstring.)"""
+    ours, theirs = problem.make_model(), problem.make_model()
+    opt = LoRDO(list(ours.parameters()), lr=0.01, rank=37, sync_every=1000, omega=1.0, clip=None,
+                betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    ref = torch.optim.AdamW(list(theirs.parameters()), lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    _train_one_rank(opt, ours, 30)
+    _train_one_rank(ref, theirs, 30)
+    torch.testing.assert_close(problem.flat_params(ours), problem.flat_params(theirs), rtol=1e-6, atol=1e-7)
+
+
+def test_low_rank_moment_shapes():
+    tall, wide = torch.nn.Parameter(torch.randn(40, 12)), torch.nn.Parameter(torch.randn(6, 30))
+    vec = torch.nn.Parameter(torch.randn(30))
+    opt = LoRDO([tall, wide, vec], rank=3, sync_every=2)
+    for _ in range(2):                                       # through one refresh
+        for p in (tall, wide, vec):
+            p.grad = torch.randn_like(p)
+        opt.step()
+    for p, moment, basis in ((tall, (40, 3), (12, 3)), (wide, (3, 30), (6, 3))):   # p x r  /  r x q
+        assert opt.state[p]["exp_avg"].shape == moment and opt.state[p]["exp_avg_sq"].shape == moment
+        assert opt.state[p]["Q"].shape == basis
+        q = opt.state[p]["Q"]
+        torch.testing.assert_close(q.T @ q, torch.eye(3), atol=1e-5, rtol=0)
+    assert opt.state[vec]["exp_avg"].shape == (30,)
+
+
+def test_refresh_spans_top_singular_vectors_and_keeps_full_rank_momentum():
+    torch.manual_seed(3)
+    delta = torch.randn(20, 8)
+    u, s, vh = torch.linalg.svd(delta.double())
+    q = lowrank.top_singular_basis(delta, 3, "right")
+    torch.testing.assert_close((q @ q.T).double(), vh[:3].T @ vh[:3], atol=1e-5, rtol=0)   # same subspace
+    q_full_old, q_full_new = torch.linalg.qr(torch.randn(8, 8))[0], lowrank.top_singular_basis(delta, 8, "right")
+    m = torch.randn(20, 8)
+    u_new, v_new = lowrank.rotate_moments(m, m.abs(), q_full_old, q_full_new, "right")
+    torch.testing.assert_close(u_new @ q_full_new.T, m @ q_full_old.T, atol=1e-5, rtol=0)   # u Qᵀ unchanged
+    assert bool((v_new >= 0).all())
+
+
+def test_rank_clamped_with_one_warning():
+    a, b = torch.nn.Parameter(torch.randn(5, 4)), torch.nn.Parameter(torch.randn(3, 6))
+    opt = LoRDO([a, b], rank=16)
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    assert len([w for w in caught if "clamped" in str(w.message)]) == 1
+    assert opt.state[a]["Q"].shape == (4, 4) and opt.state[b]["Q"].shape == (3, 3)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"rank": 0}, "rank"), ({"rank": 2.5}, "rank"), ({"sync_every": 0}, "sync_every"),
+    ({"omega": 1.5}, "omega"), ({"omega": -0.1}, "omega"), ({"clip": 0.0}, "clip"), ({"clip": -1.0}, "clip"),
+    ({"lr": -1.0}, "lr"), ({"betas": (0.9, 1.0)}, "betas"), ({"eps": -1.0}, "eps"),
+    ({"weight_decay": -0.1}, "weight_decay"), ({"wire": "fp8"}, "wire"), ({"outer_lr": 0.0}, "outer_lr"),
+    ({"outer_momentum": 1.0}, "outer_momentum"),
+])
+def test_bad_arguments_name_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        LoRDO([torch.nn.Parameter(torch.randn(4, 4))], **kwargs)
+    if name in ("rank", "omega", "clip"):        # per-group values are checked too
+        opt = LoRDO([torch.nn.Parameter(torch.randn(4, 4))])
+        with pytest.raises(ValueError, match=name):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, 3))], **kwargs})
