@@ -3,7 +3,10 @@
     launch(worker_fn, workers=2, args=(...))      # worker_fn(rank, world_size, *args)
 
 Rendezvous goes through a file in a fresh temporary directory, so concurrent runs never
-collide on ports. Under `torchrun` (RANK/WORLD_SIZE set) use `init_from_env()` instead.
+collide on ports (and it works across network namespaces, which share the filesystem).
+With `namespaces`, worker i first moves into network namespace namespaces[i] and gloo
+talks over interface `ifname` there (see netns.EmulatedLink). Under `torchrun`
+(RANK/WORLD_SIZE set) use `init_from_env()` instead.
 """
 
 from __future__ import annotations
@@ -17,7 +20,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, fn, world_size: int, rendezvous: str, threads: int, args: tuple) -> None:
+def _entry(rank: int, fn, world_size: int, rendezvous: str, threads: int, args: tuple,
+           namespaces: list[str] | None, ifname: str | None) -> None:
+    if namespaces:
+        from .netns import enter_namespace
+        enter_namespace(namespaces[rank])          # before gloo opens any socket
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size,
                             timeout=timedelta(minutes=5))
@@ -27,17 +35,23 @@ def _entry(rank: int, fn, world_size: int, rendezvous: str, threads: int, args: 
         dist.destroy_process_group()
 
 
-def launch(fn, workers: int, args: tuple = ()) -> None:
+def launch(fn, workers: int, args: tuple = (), namespaces: list[str] | None = None,
+           ifname: str | None = None) -> None:
     """Run fn(rank, workers, *args) on `workers` spawned processes; re-raise any failure."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if namespaces is not None and len(namespaces) != workers:
+        raise ValueError(f"namespaces must name one namespace per worker ({workers}), got {len(namespaces)}")
     threads = max(1, (os.cpu_count() or 1) // workers)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(fn, workers, os.path.join(tmp, "rendezvous"), threads, args), nprocs=workers)
+        mp.spawn(_entry, args=(fn, workers, os.path.join(tmp, "rendezvous"), threads, args, namespaces, ifname),
+                 nprocs=workers)
 
 
 def init_from_env() -> tuple[int, int]:
     """Join the group torchrun describes (NCCL when CUDA is available, else gloo)."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size()

@@ -1,0 +1,107 @@
+"""Presets for `thinwire train` / `thinwire compare`, and parsing of bandwidths and links.
+
+A preset is a named `TrainConfig`; command-line flags override single fields
+(`dataclasses.replace`). Sizes are chosen for CPU workers: `tiny` is a smoke test (about
+a minute on 2 cores), `small` the default comparison, `base` a longer, wider run.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields, replace
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Model, data and schedule of one run (every worker builds the same from it)."""
+
+    name: str = "small"
+    n_layer: int = 2
+    n_embd: int = 128
+    n_head: int = 4
+    context: int = 64
+    vocab_size: int = 256
+    rows: int = 32               # global batch: windows per step, split across workers
+    steps: int = 300
+    eval_every: int = 25
+    eval_rows: int = 256         # validation windows, fixed for the whole run
+    warmup_frac: float = 0.05    # linear warmup, then cosine to min_lr_frac * lr
+    min_lr_frac: float = 0.1
+    seed: int = 0
+    lr: float | None = None      # None: the optimizer's registered default for this preset
+    topk: int = 32               # DeMo: DCT coefficients kept per 64x64 chunk
+    alpha: float = 1.0           # DeMo: momentum subtraction
+    beta: float = 0.999          # DeMo: momentum decay
+    values: str = "bf16"         # DeMo: wire precision of kept coefficients (fp32, bf16, int8, sign)
+    rank: int = 4                # PowerSGD: approximation rank
+    compressed_after: float = 0.2  # APMSqueeze: fraction of steps of dense Adam warmup before 1-bit momentum
+    uplink: str = "dct-topk:64+int8"  # EF21-Muon: uplink compressor spec (replicated topology, no downlink)
+    sync_every: int = 32         # LoRDO and DiLoCo: local steps between synchronisations
+    lowrank: int = 0             # LoRDO: rank r of the projection (0: min(256, n_embd / 4))
+
+    @property
+    def warmup_steps(self) -> int:
+        return max(1, round(self.warmup_frac * self.steps))
+
+
+PRESETS = {
+    "tiny": TrainConfig(name="tiny", n_layer=1, n_embd=64, n_head=2, context=32, rows=16, steps=60,
+                        eval_every=10, eval_rows=64),
+    # topk 56 with int8 values: the sweep's best trade-off at >= 100x fewer bytes than fp32 AdamW
+    "small": TrainConfig(topk=56, values="int8"),
+    "base": TrainConfig(name="base", n_layer=4, n_embd=256, n_head=8, context=128, rows=64, steps=1000,
+                        eval_every=50, eval_rows=512),
+}
+
+
+def get_preset(name: str, **overrides) -> TrainConfig:
+    """The preset `name` with the non-None `overrides` applied; ValueError for unknown names."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    valid = {f.name for f in fields(TrainConfig)}
+    unknown = set(overrides) - valid
+    if unknown:
+        raise ValueError(f"unknown config fields: {sorted(unknown)}")
+    cfg = replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
+    for key in ("n_layer", "n_embd", "n_head", "context", "rows", "steps", "eval_every", "eval_rows"):
+        if getattr(cfg, key) < 1:
+            raise ValueError(f"{key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.values not in ("fp32", "bf16", "int8", "sign"):
+        raise ValueError(f"values must be one of fp32, bf16, int8, sign, got {cfg.values!r}")
+    if not 0.0 <= cfg.compressed_after <= 1.0:
+        raise ValueError(f"compressed_after must be in [0, 1], got {cfg.compressed_after}")
+    if cfg.sync_every < 1 or cfg.lowrank < 0:
+        raise ValueError(f"sync_every must be >= 1 and lowrank >= 0, got {cfg.sync_every}, {cfg.lowrank}")
+    if cfg.n_embd % cfg.n_head:
+        raise ValueError(f"n_embd ({cfg.n_embd}) must be a multiple of n_head ({cfg.n_head})")
+    return cfg
+
+
+# Bandwidths every run is modelled at (bits per second), in table order.
+BANDWIDTHS = {"10gbit": 10e9, "1gbit": 1e9, "100mbit": 100e6, "10mbit": 10e6}
+
+_RATE = re.compile(r"^\s*([0-9.]+)\s*(k|m|g)?(bit|bps)?\s*$", re.IGNORECASE)
+_TIME = re.compile(r"^\s*([0-9.]+)\s*(us|ms|s)\s*$", re.IGNORECASE)
+
+
+def parse_rate(text: str) -> float:
+    """'100mbit' -> 1e8 bits/s (k, m, g prefixes; 'bit' or nothing; 'bps' also means bits)."""
+    m = _RATE.match(text)
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"rate must look like 100mbit, 1gbit or 500kbit, got {text!r}")
+    scale = {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}[(m.group(2) or "").lower() or None]
+    return float(m.group(1)) * scale
+
+
+def parse_time(text: str) -> float:
+    """'20ms' -> 0.02 seconds."""
+    m = _TIME.match(text)
+    if not m:
+        raise ValueError(f"latency must look like 20ms, 500us or 0.1s, got {text!r}")
+    return float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2).lower()]
+
+
+def parse_link(text: str) -> tuple[float, float]:
+    """'100mbit' or '100mbit,20ms' -> (bits per second, one-way latency in seconds)."""
+    rate, _, delay = text.partition(",")
+    return parse_rate(rate), (parse_time(delay) if delay else 0.0)

@@ -1,0 +1,158 @@
+"""The optimizer registry of the harness: command-line name -> how to build it.
+
+    OPTIMIZERS["demo"].build(model, cfg, lr) -> Built(optimizer, forward_model, stats, counts_itself)
+
+Each entry has a factory and default learning rates per preset (from the sweep documented
+in docs/harness.md). A new optimizer is one `register(...)` call. Every factory returns
+the thing the training loop steps and the CommStats its bytes are counted in:
+  * thinwire optimizers (DeMo, DenseAllReduce around AdamW / Adam / Muon) count their own
+    bytes in `opt.comm_stats` and call `begin_step()` themselves;
+  * PowerSGD is PyTorch's DDP communication hook; its collectives are counted exactly by
+    `powersgd.count_ddp_hook_collectives`, and the loop calls `stats.begin_step()` before
+    each backward (the hook communicates during backward).
+Dense baselines send fp32 gradients (DenseAllReduce's default); the table says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..comm import CommStats
+from ..optim import APMSqueeze, DeMo, DenseAllReduce, DiLoCo, EF21Muon, LoRDO
+
+
+@dataclass
+class Built:
+    optimizer: torch.optim.Optimizer
+    model: torch.nn.Module                 # what the loop calls forward on (DDP for PowerSGD)
+    stats: CommStats
+    counts_itself: bool = True             # False: the loop calls stats.begin_step()
+
+
+@dataclass
+class OptimizerSpec:
+    name: str
+    build: Callable[[torch.nn.Module, object, float], Built]
+    default_lr: dict[str, float]           # preset name -> learning rate
+    dense: bool = False                    # a dense baseline (time-to-target reference)
+    description: str = ""
+    counterpart: str = "adamw"             # the dense baseline it compresses (its bytes ratio)
+
+    def lr_for(self, preset: str) -> float:
+        return self.default_lr.get(preset, self.default_lr["small"])
+
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {}
+
+
+def register(spec: OptimizerSpec) -> None:
+    OPTIMIZERS[spec.name] = spec
+
+
+def get_optimizer(name: str) -> OptimizerSpec:
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose from: {', '.join(OPTIMIZERS)}")
+    return OPTIMIZERS[name]
+
+
+def _wrap(opt: torch.optim.Optimizer, model: torch.nn.Module) -> Built:
+    return Built(opt, model, opt.comm_stats)
+
+
+def _adamw(model, cfg, lr):
+    return _wrap(DenseAllReduce(torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95),
+                                                  weight_decay=0.1)), model)
+
+
+def _adam(model, cfg, lr):
+    return _wrap(DenseAllReduce(torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.95))), model)
+
+
+def _split(model) -> tuple[list, list]:
+    """(hidden matrices, the rest: embeddings, the tied head, norm gains), Muon's usual split."""
+    matrices = [p for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith(("wte", "wpe"))]
+    ids = {id(p) for p in matrices}
+    return matrices, [p for p in model.parameters() if id(p) not in ids]
+
+
+def _muon(model, cfg, lr):
+    """torch.optim.Muon on hidden matrices, AdamW on embeddings/head/norms (Muon's usual split);
+    'match_rms_adamw' scaling lets both share one learning rate."""
+    matrices, rest = _split(model)
+    inner = [torch.optim.Muon(matrices, lr=lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
+             torch.optim.AdamW(rest, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)]
+    return _wrap(DenseAllReduce(inner), model)
+
+
+def _demo(model, cfg, lr):
+    return _wrap(DeMo(model.parameters(), lr=lr, topk=cfg.topk, alpha=cfg.alpha, beta=cfg.beta,
+                      values=cfg.values, weight_decay=0.0), model)
+
+
+def _apmsqueeze(model, cfg, lr):
+    warmup = round(cfg.compressed_after * cfg.steps)
+    return _wrap(APMSqueeze(model.parameters(), lr=lr, warmup_steps=warmup, betas=(0.9, 0.95)), model)
+
+
+# EF21-Muon's radius for sign / RMS LMOs relative to the matrices' spectral radius: with
+# torch Muon's 'original' scale a hidden matrix moves ~lr/sqrt(d) per entry, an entry of a
+# sign-LMO group lr; 0.4 puts the embeddings near the AdamW step the Muon baseline gives them.
+EF21_VECTOR_LR = 0.4
+
+
+def _ef21_muon(model, cfg, lr):
+    matrices, rest = _split(model)
+    embeddings = [p for p in rest if p.dim() == 2]
+    gains = [p for p in rest if p.dim() < 2]
+    groups = [{"params": matrices, "lmo": "spectral"},
+              {"params": embeddings, "lmo": "sign", "lr": lr * EF21_VECTOR_LR},
+              {"params": gains, "lmo": "rms", "lr": lr * EF21_VECTOR_LR}]
+    opt = EF21Muon([g for g in groups if g["params"]], lr=lr, beta=0.05, weight_decay=0.1, uplink=cfg.uplink,
+                   downlink="identity", topology="replicated")
+    return _wrap(opt, model)
+
+
+def _lordo(model, cfg, lr):
+    matrices, rest = _split(model)
+    rank = cfg.lowrank or min(256, max(1, cfg.n_embd // 4))
+    groups = [{"params": matrices, "low_rank": True}, {"params": rest, "low_rank": False}]
+    return _wrap(LoRDO(groups, lr=lr, rank=rank, sync_every=cfg.sync_every, betas=(0.9, 0.95),
+                       weight_decay=0.1), model)
+
+
+def _diloco(model, cfg, lr):
+    inner = lambda ps: torch.optim.AdamW(ps, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)  # noqa: E731
+    return _wrap(DiLoCo(model.parameters(), inner=inner, sync_every=cfg.sync_every), model)
+
+
+def _powersgd(model, cfg, lr):
+    from .powersgd import ddp_powersgd
+    ddp, stats = ddp_powersgd(model, rank=cfg.rank)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    return Built(opt, ddp, stats, counts_itself=False)
+
+
+# Default learning rates: the `small` values come from the sweep in docs/harness.md
+# (benchmarks/lr_sweep.py, 4 workers, 300 steps); `tiny` (60 steps) uses a higher rate for its
+# short schedule and `base` the small preset's, both unswept.
+register(OptimizerSpec("adamw", _adamw, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3}, dense=True,
+                       description="dense fp32 all-reduce + AdamW"))
+register(OptimizerSpec("adam", _adam, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3}, dense=True,
+                       description="dense fp32 all-reduce + Adam", counterpart="adam"))
+register(OptimizerSpec("muon", _muon, {"tiny": 3e-3, "small": 3e-3, "base": 3e-3}, dense=True,
+                       description="dense fp32 all-reduce + Muon (AdamW for non-matrices)", counterpart="muon"))
+register(OptimizerSpec("powersgd", _powersgd, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3},
+                       description="PyTorch DDP PowerSGD hook (rank 4) + AdamW"))
+register(OptimizerSpec("demo", _demo, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3},
+                       description="DeMo (DCT top-k, signum)"))
+register(OptimizerSpec("apmsqueeze", _apmsqueeze, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3},
+                       description="APMSqueeze (Adam warmup, then 1-bit momentum)", counterpart="adam"))
+register(OptimizerSpec("ef21-muon", _ef21_muon, {"tiny": 1e-2, "small": 7e-3, "base": 7e-3},
+                       description="EF21-Muon (replicated, uplink DCT top-k int8)", counterpart="muon"))
+register(OptimizerSpec("lordo", _lordo, {"tiny": 3e-3, "small": 3e-3, "base": 3e-3},
+                       description="LoRDO (low-rank Adam, sync every 32)"))
+register(OptimizerSpec("diloco", _diloco, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3},
+                       description="DiLoCo (AdamW inner, Nesterov outer, sync every 32)"))

@@ -1,0 +1,171 @@
+"""From per-step logs to the numbers a user compares: bytes, modelled time, time to target.
+
+Modelled wall time of a run at bandwidth B (bits/s) and per-collective latency L:
+
+    T_B = Σ_steps [ compute_s + 8 · max(link sent, link received) / B + collectives · L ]
+
+with compute_s = measured step time − time blocked in collectives (worker.py), and link
+bytes from thinwire.comm.links (ring all-reduce 2n(W−1)/W each way, ...): a full-duplex
+link of rate B carries the larger direction. Time to target is the training time
+(evaluations excluded) at the first evaluation whose validation loss is <= the target;
+None when never reached. The target defaults to the dense baseline's final loss x 1.02.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .config import BANDWIDTHS
+
+
+def read_log(path: str | Path) -> dict:
+    steps, evals, final = [], [], None
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec["kind"] == "step":
+                steps.append(rec)
+            elif rec["kind"] == "eval":
+                evals.append(rec)
+            else:
+                final = rec
+    return {"steps": steps, "evals": evals, "final": final}
+
+
+def cumulative_times(steps: list[dict], latency_s: float) -> dict[str, list[float]]:
+    """Per time model ('measured' and each bandwidth), the elapsed time after every step,
+    with a leading 0 for 'before step 1'."""
+    out = {"measured": [0.0], **{name: [0.0] for name in BANDWIDTHS}}
+    for s in steps:
+        out["measured"].append(out["measured"][-1] + s["step_s"])
+        compute = s["step_s"] - s["comm_s"]
+        wire = 8 * max(s["link_bytes_sent"], s["link_bytes_received"])
+        for name, bw in BANDWIDTHS.items():
+            out[name].append(out[name][-1] + compute + wire / bw + s["collectives"] * latency_s)
+    return out
+
+
+def time_to_target(evals: list[dict], times: dict[str, list[float]], target: float) -> dict:
+    hit = next((e["step"] for e in evals if e["val_loss"] <= target), None)
+    return {name: (None if hit is None else series[hit]) for name, series in times.items()}
+
+
+def summarize(optimizer: str, log: dict, target: float, latency_s: float, link: dict | None = None) -> dict:
+    steps, evals = log["steps"], log["evals"]
+    n = len(steps)
+    mean = lambda key: sum(s[key] for s in steps) / n
+    times = cumulative_times(steps, latency_s)
+    row = {
+        "optimizer": optimizer,
+        "val_loss": evals[-1]["val_loss"],
+        "steps": n,
+        "payload_bytes_per_step": mean("payload_bytes"),
+        "link_bytes_per_step": mean("link_bytes_sent"),
+        "link_bytes_received_per_step": mean("link_bytes_received"),
+        "collectives_per_step": mean("collectives"),
+        "step_time_s": mean("step_s"),
+        "compute_time_s": mean("step_s") - mean("comm_s"),
+        "train_time_s": {k: v[-1] for k, v in times.items()},
+        "target_loss": target,
+        "time_to_target_s": time_to_target(evals, times, target),
+        "payload_bytes_per_step_by_tag": _by_tag(log["final"], n),
+        "comm_stats": log["final"]["comm_stats"] if log["final"] else None,
+        "n_params": log["final"]["n_params"] if log["final"] else None,
+    }
+    if link is not None:
+        row["link"] = link
+        row["modelled_at_link_s"] = _at_link(steps, link, latency_s)
+    return row
+
+
+def _by_tag(final: dict | None, steps: int) -> dict[str, float]:
+    """Mean payload bytes per step for each collective tag ('payload', 'downlink', 'handshake', ...)."""
+    if not final or not steps:
+        return {}
+    return {tag: c["payload_bytes"] / steps for tag, c in final["comm_stats"]["by_tag"].items()}
+
+
+def _at_link(steps: list[dict], link: dict, latency_s: float) -> float:
+    bw = link["rate_bps"]
+    return sum(s["step_s"] - s["comm_s"] + 8 * max(s["link_bytes_sent"], s["link_bytes_received"]) / bw
+               + s["collectives"] * latency_s for s in steps)
+
+
+def _mb(x: float) -> str:
+    return f"{x / 1e6:.4g}"
+
+
+def _t(x) -> str:
+    return "never" if x is None else f"{x:.1f}"
+
+
+def _ratio(row: dict, by_name: dict, baseline: str | None) -> str:
+    """'N x vs <dense run>': payload bytes of the row's dense counterpart (when it ran) or the baseline."""
+    ref = by_name.get(row.get("counterpart")) or by_name.get(baseline)
+    if ref is None or not row["payload_bytes_per_step"]:
+        return "-"
+    return f"{ref['payload_bytes_per_step'] / row['payload_bytes_per_step']:.1f} vs {ref['optimizer']}"
+
+
+def format_table(rows: list[dict], baseline: str | None) -> str:
+    """Markdown table of a comparison; byte ratios against each run's dense counterpart
+    (Adam for APMSqueeze, Muon for EF21-Muon, ...) when it ran, else against `baseline`."""
+    by_name = {r["optimizer"]: r for r in rows}
+    head = ("| optimizer | val loss | payload MB/step/worker | link MB/step | x fewer bytes | step s | "
+            "to target: measured s | " + " | ".join(f"{k} s" for k in BANDWIDTHS) + " |")
+    lines = [head, "|" + "---|" * (7 + len(BANDWIDTHS))]
+    for r in rows:
+        ratio = _ratio(r, by_name, baseline)
+        ttt = r["time_to_target_s"]
+        lines.append(f"| {r['optimizer']} | {r['val_loss']:.4f} | {_mb(r['payload_bytes_per_step'])} | "
+                     f"{_mb(r['link_bytes_per_step'])} | {ratio} | {r['step_time_s']:.3f} | {_t(ttt['measured'])} | "
+                     + " | ".join(_t(ttt[k]) for k in BANDWIDTHS) + " |")
+    target = rows[0]["target_loss"] if rows else float("nan")
+    lines.append(f"\nTarget validation loss {target:.4f}; dense baselines send fp32 gradients; "
+                 f"modelled time = compute + link bytes / bandwidth + collectives x latency (training only).")
+    for r in rows:
+        tags = {t: b for t, b in r.get("payload_bytes_per_step_by_tag", {}).items() if t != "handshake"}
+        if len(tags) > 1:
+            lines.append(f"{r['optimizer']} payload MB/step by direction: "
+                         + ", ".join(f"{'uplink' if t == 'payload' else t} {_mb(b)}" for t, b in sorted(tags.items())))
+    for r in rows:
+        if "link" in r:
+            measured, modelled = r["train_time_s"]["measured"], r["modelled_at_link_s"]
+            gap = abs(measured - modelled) / max(modelled, 1e-9)
+            verdict = "agree within 25 %" if gap <= 0.25 else "DISAGREE by more than 25 %"
+            lines.append(f"{r['optimizer']} over the emulated {r['link']['spec']} link: measured "
+                         f"{measured:.1f} s, modelled {modelled:.1f} s ({gap:.0%} apart: {verdict}).")
+    return "\n".join(lines)
+
+
+def plot(logs: dict[str, dict], out_dir: Path, latency_s: float) -> list[Path]:
+    """Validation loss vs step, vs cumulative bytes, vs modelled time at 100 Mbit/s (PNG);
+    nothing when matplotlib is not installed (it is an optional extra)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for name, log in logs.items():
+        steps = [e["step"] for e in log["evals"]]
+        loss = [e["val_loss"] for e in log["evals"]]
+        cum = [0]
+        for s in log["steps"]:
+            cum.append(cum[-1] + s["payload_bytes"])
+        t100 = cumulative_times(log["steps"], latency_s)["100mbit"]
+        axes[0].plot(steps, loss, label=name)
+        axes[1].plot([cum[k] / 1e6 for k in steps], loss, label=name)
+        axes[2].plot([t100[k] for k in steps], loss, label=name)
+    for ax, xlabel in zip(axes, ("step", "cumulative payload MB per worker", "modelled time at 100 Mbit/s (s)")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("validation loss")
+        ax.legend()
+    axes[1].set_xscale("symlog")
+    path = out_dir / "loss.png"
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return [path]

@@ -1,0 +1,103 @@
+"""`thinwire train` / `thinwire compare`: run optimizers on N workers, then report.
+
+    rows = compare(cfg, ["adamw", "demo"], workers=4, out_dir="runs/x")
+
+Each optimizer runs in turn on the same data, seed and initial weights, on `workers` real
+gloo processes (optionally across an emulated link, netns.EmulatedLink). Rank 0 logs every
+step to `<out>/<optimizer>.jsonl`; afterwards `<out>/summary.json` holds one row per run
+(report.summarize) and the markdown table is printed (and saved as `<out>/table.md`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from contextlib import nullcontext
+from pathlib import Path
+
+from .config import TrainConfig, parse_link
+from .data import check_corpus, load_corpus
+from .launch import launch
+from .optimizers import OPTIMIZERS, get_optimizer
+from .report import format_table, plot, read_log, summarize
+from .worker import train_worker
+
+DEFAULT_LATENCY_S = 1e-3
+
+
+def check_run(cfg: TrainConfig, optimizers: list[str], workers: int, data: str | None) -> None:
+    """Every user error we can see before spawning anything, as a ValueError."""
+    if not optimizers:
+        raise ValueError("give at least one optimizer")
+    for name in optimizers:
+        get_optimizer(name)
+    if len(set(optimizers)) != len(optimizers):
+        raise ValueError(f"optimizers repeat a name: {optimizers}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if workers > cfg.rows:
+        raise ValueError(f"{workers} workers but only {cfg.rows} batch rows per step: every worker needs "
+                         f"at least one row (raise --rows or lower --workers)")
+    train, val = load_corpus(data, cfg.vocab_size)
+    check_corpus(train, val, cfg.context)
+
+
+def _link_context(link: str | None, workers: int):
+    """(context manager, link description or None); falls back to modelled time only."""
+    if link is None:
+        return nullcontext(None), None
+    rate, delay = parse_link(link)
+    from .netns import EmulatedLink, available
+    ok, reason = available()
+    if not ok:
+        print(f"thinwire: cannot emulate --link {link}: {reason}. Reporting modelled time only.", file=sys.stderr)
+        return nullcontext(None), None
+    return EmulatedLink(workers, rate, delay), {"spec": link, "rate_bps": rate, "delay_s": delay}
+
+
+def compare(cfg: TrainConfig, optimizers: list[str], workers: int = 4, out_dir: str | None = None,
+            link: str | None = None, latency_s: float | None = None, target: float | None = None,
+            data: str | None = None, quiet: bool = False, lrs: dict[str, float] | None = None,
+            show: bool = True) -> list[dict]:
+    check_run(cfg, optimizers, workers, data)
+    out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="thinwire-"))
+    out.mkdir(parents=True, exist_ok=True)
+    context, link_info = _link_context(link, workers)
+    if latency_s is None:
+        latency_s = link_info["delay_s"] if link_info and link_info["delay_s"] else DEFAULT_LATENCY_S
+    logs = {}
+    with context as emulated:
+        for name in optimizers:
+            lr = (lrs or {}).get(name) or cfg.lr or get_optimizer(name).lr_for(cfg.name)
+            path = out / f"{name}.jsonl"
+            kwargs = ({"namespaces": emulated.namespaces, "ifname": emulated.ifname} if emulated else {})
+            launch(train_worker, workers, args=(cfg, name, lr, str(path), quiet, data), **kwargs)
+            logs[name] = read_log(path)
+            logs[name]["lr"] = lr
+    return report(cfg, logs, workers, out, latency_s, target, link_info, show)
+
+
+def report(cfg: TrainConfig, logs: dict[str, dict], workers: int, out: Path, latency_s: float,
+           target: float | None = None, link_info: dict | None = None, show: bool = True) -> list[dict]:
+    """summary.json, table.md and plots in `out` from the runs' logs (in run order)."""
+    optimizers = list(logs)
+    baseline = next((n for n in optimizers if n in OPTIMIZERS and OPTIMIZERS[n].dense), None)
+    if target is None:
+        ref = baseline or optimizers[0]
+        target = logs[ref]["evals"][-1]["val_loss"] * 1.02
+    rows = []
+    for name in optimizers:
+        row = summarize(name, logs[name], target, latency_s, link_info)
+        row.update(lr=logs[name].get("lr"), workers=workers, preset=cfg.name, config=cfg.__dict__.copy(),
+                   counterpart=OPTIMIZERS[name].counterpart if name in OPTIMIZERS else None)
+        rows.append(row)
+    table = format_table(rows, baseline)
+    (out / "summary.json").write_text(json.dumps({"target_loss": target, "baseline": baseline,
+                                                  "latency_s": latency_s, "runs": rows}, indent=2))
+    (out / "table.md").write_text(table + "\n")
+    plots = plot(logs, out, latency_s)
+    if show:
+        print(table)
+        print(f"\nlogs and summary.json in {out}" + (f"; plots: {', '.join(map(str, plots))}" if plots else ""))
+    return rows

@@ -1,0 +1,121 @@
+"""`thinwire compare` end to end on the tiny preset with 2 real gloo workers (one CLI run for
+the module), plus the CLI's user errors (which must come before anything is spawned)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from thinwire.__main__ import main
+
+OPTIMIZERS = ("adamw", "powersgd", "demo")
+RUN_KEYS = ("optimizer", "val_loss", "payload_bytes_per_step", "link_bytes_per_step", "step_time_s",
+            "time_to_target_s")
+BANDWIDTH_KEYS = ("measured", "10gbit", "1gbit", "100mbit", "10mbit")
+# tiny preset: vocab 256, width 64, context 32, one block (LayerNorms without bias, tied head)
+V, C, T = 256, 64, 32
+MATRICES = [(V, C), (T, C), (3 * C, C), (C, C), (4 * C, C), (C, 4 * C)]   # wte(=head), wpe, qkv, proj, fc, out
+VECTORS = [C, C, C]                                                      # ln1, ln2, ln_f
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
+    cmd = [sys.executable, "-m", "thinwire", "compare", "--preset", "tiny", "--workers", "2", "--steps", "30",
+           "--optimizers", ",".join(OPTIMIZERS), "--out", str(out), "--quiet"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    logs = {}
+    for name in OPTIMIZERS:
+        lines = [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
+        logs[name] = {k: [r for r in lines if r["kind"] == k] for k in ("step", "eval", "final")}
+    return json.loads((out / "summary.json").read_text()), logs, done.stdout
+
+
+def test_table_printed(run):
+    summary, _, stdout = run
+    for name in OPTIMIZERS:
+        assert f"| {name} |" in stdout
+    assert "100mbit" in stdout
+
+
+def test_summary_complete(run):
+    summary, logs, _ = run
+    assert [r["optimizer"] for r in summary["runs"]] == list(OPTIMIZERS)
+    assert summary["baseline"] == "adamw"
+    assert summary["target_loss"] == pytest.approx(logs["adamw"]["eval"][-1]["val_loss"] * 1.02)
+    for row in summary["runs"]:
+        for key in RUN_KEYS:
+            assert row[key] is not None, key
+        assert set(row["time_to_target_s"]) == set(BANDWIDTH_KEYS)
+        assert row["step_time_s"] > 0 and row["payload_bytes_per_step"] > 0
+    dense = summary["runs"][0]["time_to_target_s"]
+    assert all(dense[k] is not None for k in BANDWIDTH_KEYS)          # the baseline reaches 1.02 x its own loss
+
+
+def test_loss_falls(run):
+    _, logs, _ = run
+    for name in OPTIMIZERS:
+        evals = logs[name]["eval"]
+        assert evals[0]["step"] == 0 and evals[-1]["step"] == 30
+        assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 1.0, name     # from ~ln(256)=5.5
+
+
+def test_bytes_equal_optimizer_stats(run):
+    summary, logs, _ = run
+    for name in OPTIMIZERS:
+        steps, stats = logs[name]["step"], logs[name]["final"][0]["comm_stats"]["totals"]
+        for key in ("payload_bytes", "link_bytes_sent", "link_bytes_received", "collectives"):
+            assert sum(s[key] for s in steps) == stats[key], (name, key)
+        row = next(r for r in summary["runs"] if r["optimizer"] == name)
+        assert row["payload_bytes_per_step"] == pytest.approx(stats["payload_bytes"] / len(steps))
+
+
+def test_dense_bytes_are_the_fp32_gradient(run):
+    _, logs, _ = run
+    n_params = sum(a * b for a, b in MATRICES) + sum(VECTORS)
+    steps = logs["adamw"]["step"]
+    assert steps[0]["payload_bytes"] == 4 * n_params + 8                   # + the 8-byte handshake
+    assert all(s["payload_bytes"] == 4 * n_params for s in steps[1:])
+    assert all(s["link_bytes_sent"] == 2 * 4 * n_params * 1 // 2 for s in steps[1:])   # ring, W = 2
+
+
+def test_powersgd_bytes_are_p_and_q(run):
+    """PyTorch's rule: a matrix n x m is compressed at rank r when n*m >= 2 (n+m) r; then
+    P (n x r) and Q (m x r) are all-reduced in fp32, the rest is all-reduced dense."""
+    _, logs, _ = run
+    r = 4
+    compressed = 4 * sum((n + m) * r for n, m in MATRICES if n * m >= 2 * (n + m) * r)
+    dense = 4 * (sum(n * m for n, m in MATRICES if n * m < 2 * (n + m) * r) + sum(VECTORS))
+    steps = logs["powersgd"]["step"]
+    n_params = sum(a * b for a, b in MATRICES) + sum(VECTORS)
+    assert steps[0]["payload_bytes"] == 4 * n_params                        # before start_powerSGD_iter
+    assert all(s["payload_bytes"] == compressed + dense for s in steps[2:])
+
+
+def test_demo_sends_over_100x_less(run):
+    summary, _, _ = run
+    rows = {r["optimizer"]: r for r in summary["runs"]}
+    assert rows["adamw"]["payload_bytes_per_step"] / rows["demo"]["payload_bytes_per_step"] > 100
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--optimizers", "adamw,sgdx"], "unknown optimizer 'sgdx'"),
+    (["--preset", "huge"], "unknown preset 'huge'"),
+    (["--data", "/nonexistent/thinwire"], "does not exist"),
+    (["--workers", "40"], "40 workers but only 16 batch rows"),
+])
+def test_user_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", "--preset", "tiny", *argv] if "--preset" not in argv else ["compare", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bin_with_ids_beyond_vocab(tmp_path, capsys):
+    path = tmp_path / "ids.bin"
+    path.write_bytes(bytes([0, 0, 44, 1] * 100))           # little-endian uint16: 0 and 300
+    with pytest.raises(SystemExit):
+        main(["train", "--preset", "tiny", "--data", str(path)])
+    assert "token id 300 >= vocab_size 256" in capsys.readouterr().err

@@ -1,0 +1,108 @@
+"""Presets, data sharding and splits, the model, the LR schedule and the report arithmetic."""
+
+import math
+
+import pytest
+import torch
+
+from thinwire.train.config import PRESETS, get_preset, parse_link
+from thinwire.train.data import load_corpus, stdlib_files, train_batch
+from thinwire.train.model import build_model
+from thinwire.train.optimizers import OPTIMIZERS, get_optimizer
+from thinwire.train.report import summarize, time_to_target
+from thinwire.train.worker import lr_factor
+
+
+def test_presets_and_overrides():
+    assert set(PRESETS) == {"tiny", "small", "base"}
+    cfg = get_preset("tiny", steps=7, lr=None)
+    assert cfg.steps == 7 and cfg.n_embd == PRESETS["tiny"].n_embd
+    with pytest.raises(ValueError, match="unknown preset"):
+        get_preset("medium")
+    with pytest.raises(ValueError, match="n_head"):
+        get_preset("tiny", n_head=3)
+    with pytest.raises(ValueError, match="rows"):
+        get_preset("tiny", rows=0)
+
+
+def test_parse_link():
+    assert parse_link("100mbit") == (100e6, 0.0)
+    assert parse_link("1gbit,20ms") == (1e9, 0.02)
+    with pytest.raises(ValueError, match="rate"):
+        parse_link("fast")
+
+
+def test_registry():
+    assert {"adamw", "adam", "muon", "powersgd", "demo"} <= set(OPTIMIZERS)
+    with pytest.raises(ValueError, match="unknown optimizer 'sgd'"):
+        get_optimizer("sgd")
+
+
+def test_shards_partition_the_global_batch():
+    ids = torch.arange(10_000)
+    cfg = get_preset("tiny", rows=12)
+    full_x, full_y = train_batch(ids, cfg, step=5, rank=0, world=1)
+    parts = [train_batch(ids, cfg, 5, r, 3) for r in range(3)]
+    for r, (x, y) in enumerate(parts):
+        assert torch.equal(x, full_x[r::3]) and torch.equal(y, full_y[r::3])
+    assert torch.equal(full_y[:, :-1], full_x[:, 1:])              # targets are inputs shifted by one
+    assert not torch.equal(train_batch(ids, cfg, 6, 0, 1)[0], full_x)
+
+
+def test_stdlib_corpus_split():
+    files = stdlib_files()
+    assert files == sorted(files) and files
+    assert not any("site-packages" in str(f) or "/test/" in str(f) for f in files)
+    train, val = load_corpus(None)
+    total = sum(f.stat().st_size for f in files)
+    assert train.numel() + val.numel() == total
+    assert 0.02 * total < val.numel() < 0.1 * total
+    assert int(train.max()) < 256
+
+
+def test_text_dir_and_bin(tmp_path):
+    for i in range(40):
+        (tmp_path / f"f{i:02d}.txt").write_bytes(bytes([i]) * 10)
+    train, val = load_corpus(str(tmp_path))
+    assert val.tolist() == [19] * 10 + [39] * 10                   # every 20th file, in path order
+    ids = torch.arange(1000, dtype=torch.int64)
+    (tmp_path / "ids.bin").write_bytes(ids.to(torch.int16).numpy().tobytes())
+    train, val = load_corpus(str(tmp_path / "ids.bin"), vocab_size=1000)
+    assert torch.equal(torch.cat([train, val]), ids) and val.numel() == 50
+
+
+def test_model_shapes_and_tied_head():
+    cfg = get_preset("tiny")
+    model = build_model(cfg)
+    assert model.head.weight is model.wte.weight
+    logits = model(torch.randint(0, 256, (3, cfg.context)))
+    assert logits.shape == (3, cfg.context, 256)
+    assert torch.equal(build_model(cfg).wte.weight, model.wte.weight)   # same init everywhere
+
+
+def test_lr_schedule():
+    cfg = get_preset("tiny", steps=100)          # warmup 5 steps, cosine to 0.1
+    assert lr_factor(0, cfg) == pytest.approx(1 / 5)
+    assert lr_factor(4, cfg) == pytest.approx(1.0)
+    mid = 5 + 95 / 2
+    assert lr_factor(int(mid), cfg) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 47 / 95)))
+    assert lr_factor(99, cfg) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 94 / 95)))
+
+
+def _step(step_s, comm_s, sent, received, coll):
+    return {"step_s": step_s, "comm_s": comm_s, "payload_bytes": sent, "link_bytes_sent": sent,
+            "link_bytes_received": received, "collectives": coll}
+
+
+def test_modelled_time_and_time_to_target():
+    steps = [_step(1.0, 0.5, 1_000_000, 2_000_000, 2), _step(2.0, 0.0, 0, 0, 1), _step(1.0, 1.0, 125, 125, 1)]
+    evals = [{"step": 0, "val_loss": 5.0}, {"step": 2, "val_loss": 3.0}, {"step": 3, "val_loss": 2.0}]
+    log = {"steps": steps, "evals": evals, "final": None}
+    row = summarize("x", log, target=3.0, latency_s=0.01)
+    # at 100 Mbit/s: step 1 = 0.5 s compute + 16e6 bits / 1e8 + 2 x 0.01; step 2 = 2 + 0.01
+    assert row["time_to_target_s"]["100mbit"] == pytest.approx(0.5 + 0.16 + 0.02 + 2.01)
+    assert row["time_to_target_s"]["measured"] == pytest.approx(3.0)
+    assert row["train_time_s"]["10mbit"] == pytest.approx(0.5 + 1.6 + 0.02 + 2.01 + 0 + 1000 / 1e7 + 0.01)
+    assert row["payload_bytes_per_step"] == pytest.approx(1_000_125 / 3)
+    assert row["val_loss"] == 2.0
+    assert time_to_target(evals, {"measured": [0, 1, 2, 3]}, target=1.0) == {"measured": None}
