@@ -1,0 +1,83 @@
+"""Every optimizer the harness registers, end to end in one `thinwire compare` on the tiny
+preset with 2 real gloo workers: it trains, its bytes are the ones its algorithm sends, and
+the table compares it with its own dense counterpart."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from thinwire.compress.onebit import padded_numel
+from thinwire.train.optimizers import OPTIMIZERS
+
+NAMES = ("adam", "apmsqueeze", "muon", "ef21-muon", "adamw", "lordo", "diloco")
+STEPS, SYNC, WARMUP = 24, 8, 12             # --steps, --sync-every, --compressed-after 0.5
+V, C, T = 256, 64, 32                        # tiny preset: vocab, width, context (one block)
+N_PARAMS = V * C + T * C + 12 * C * C + 3 * C
+HANDSHAKE = 8
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare_all")
+    cmd = [sys.executable, "-m", "thinwire", "compare", "--preset", "tiny", "--workers", "2", "--steps", str(STEPS),
+           "--sync-every", str(SYNC), "--compressed-after", "0.5", "--optimizers", ",".join(NAMES),
+           "--out", str(out), "--quiet"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    steps = {}
+    for name in NAMES:
+        lines = [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
+        steps[name] = [r for r in lines if r["kind"] == "step"]
+    rows = {r["optimizer"]: r for r in json.loads((out / "summary.json").read_text())["runs"]}
+    return rows, steps, done.stdout
+
+
+def test_every_registered_optimizer_is_compared():
+    assert set(OPTIMIZERS) == set(NAMES) | {"powersgd", "demo"}       # those two: test_cli.py
+
+
+def test_each_trains(run):
+    rows, steps, _ = run
+    for name in NAMES:
+        assert steps[name][0]["loss"] > 5.0 and rows[name]["val_loss"] < 4.0, name   # from ~ln(256) = 5.5
+
+
+def test_ratio_against_own_counterpart(run):
+    *_, stdout = run
+    for name, counterpart in [("apmsqueeze", "adam"), ("ef21-muon", "muon"), ("lordo", "adamw"), ("diloco", "adamw")]:
+        line = next(li for li in stdout.splitlines() if li.startswith(f"| {name} |"))
+        assert f"vs {counterpart} |" in line, line
+
+
+def test_apmsqueeze_dense_warmup_then_one_bit(run):
+    _, steps, _ = run
+    dense = 4 * N_PARAMS
+    apm = steps["apmsqueeze"]
+    assert apm[0]["payload_bytes"] == dense + HANDSHAKE
+    assert all(s["payload_bytes"] == dense and s["collectives"] == 1 for s in apm[1:WARMUP])
+    n, w = padded_numel(N_PARAMS, 2), 2
+    one_bit = w * (HANDSHAKE + 4) + n // 8 + 4 + n // (8 * w)       # all_to_all of signs, all_gather of chunks
+    assert all(s["payload_bytes"] == one_bit and s["collectives"] == 2 for s in apm[WARMUP:])
+    # on the wire 1/32 of fp32 per phase, two phases vs the ring all-reduce's two passes
+    dense_link = steps["adam"][-1]["link_bytes_sent"]
+    assert dense_link / apm[-1]["link_bytes_sent"] > 30
+
+
+def test_ef21_muon_uplink_over_20x_smaller_than_dense_muon(run):
+    _, steps, _ = run
+    muon, ef21 = steps["muon"][-1]["payload_bytes"], steps["ef21-muon"][-1]["payload_bytes"]
+    assert muon == 4 * N_PARAMS
+    assert muon / ef21 > 20
+    assert all(s["collectives"] == 1 for s in steps["ef21-muon"][1:])     # replicated: one all_gather
+
+
+def test_lordo_and_diloco_talk_only_at_syncs(run):
+    _, steps, _ = run
+    for name in ("lordo", "diloco"):
+        talking = [s["step"] for s in steps[name] if s["collectives"]]
+        assert talking == [1] + list(range(SYNC, STEPS + 1, SYNC)), name   # step 1: the handshake
+        for s in steps[name]:
+            if s["step"] % SYNC == 0:
+                assert s["payload_bytes"] >= 4 * N_PARAMS, name          # fp32 delta of every parameter
