@@ -60,13 +60,14 @@ def test_identity_keeps_the_k_largest_per_chunk():
         assert torch.equal(yb, expected)
 
 
-def test_aggregate_mean_is_average_of_decodes_and_senders_matches_scatter_mean():
+@pytest.mark.parametrize("ranks", [1, 3, 4])      # 3 x 5 < 8 + 8: sparse inverse; 4 x 5: dense inverse
+def test_aggregate_mean_is_average_of_decodes_and_senders_matches_scatter_mean(ranks):
     comp = ChunkedTopK(topk=5, chunk=8, transform="dct", values="fp32")
-    xs = [torch.randn(16, 8) for _ in range(3)]
+    xs = [torch.randn(16, 8) for _ in range(ranks)]
     payloads = [comp.encode(x) for x in xs]
     reads = [comp.read(p, (16, 8)) for p in payloads]
     mean = comp.aggregate(reads, (16, 8), mode="mean")
-    assert torch.allclose(mean, sum(comp.decode(p, (16, 8)) for p in payloads) / 3, atol=1e-6)
+    assert torch.allclose(mean, sum(comp.decode(p, (16, 8)) for p in payloads) / ranks, atol=1e-6)
     # bloc97/DeMo: concatenate all ranks' (index, value) pairs, scatter_reduce(mean) per chunk.
     idx = torch.cat([r[0] for r in reads], dim=-1)
     val = torch.cat([r[1] for r in reads], dim=-1)

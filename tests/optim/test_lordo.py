@@ -17,7 +17,6 @@ from tests.dist import run_workers
 from tests.optim import contract, problem
 from thinwire.ops import lowrank
 from thinwire.optim.lordo import LoRDO
-from thinwire.optim.protocol import NonFiniteGradientError, PeerMismatchError
 
 
 def make_lordo(params, **kwargs):

@@ -114,6 +114,13 @@ class ChunkedTopK:
         if mode not in AGGREGATIONS:
             raise ValueError(f"mode must be one of {AGGREGATIONS}, got {mode!r}")
         plan = self.plan(shape)
+        sent = len(reads) * reads[0][0].shape[1]                    # coefficients per chunk, all ranks
+        if mode == "mean" and sent < plan.chunk_rows + plan.chunk_cols:
+            # Σ_r Σ_j (c_rj / W) outer(P_h[u_rj], P_w[v_rj]): h·w·W·k multiply-adds per chunk
+            # instead of the dense inverse's h·w·(h + w), and no dense zero-fill and scatter
+            idx = torch.cat([i for i, _ in reads], dim=1)           # [n_chunks, W*k], rank order
+            vals = torch.cat([v for _, v in reads], dim=1).div_(len(reads))
+            return plan.from_chunks(self.transform.sparse_inverse(idx, vals, plan, step))
         dense = torch.zeros(plan.num_chunks, plan.chunk_elems, device=reads[0][1].device)  # [n_chunks, h*w]
         counts = torch.zeros_like(dense) if mode == "senders" else None
         for idx, vals in reads:  # rank order: a fixed summation order on every rank

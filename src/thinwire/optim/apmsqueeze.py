@@ -37,7 +37,7 @@ import torch
 
 from ..compress.onebit import compressed_allreduce, padded_numel
 from .base import CommunicatingOptimizer
-from .protocol import (FLAG_NONFINITE, HEADER_NBYTES, NonFiniteGradientError, all_finite, handshake,
+from .protocol import (FLAG_NONFINITE, HEADER_NBYTES, NonFiniteGradientError, all_finite,
                        read_headers, write_header)
 
 ERRORS_KEY = "apmsqueeze"
@@ -96,17 +96,12 @@ class APMSqueeze(CommunicatingOptimizer):
         self._init_comm(process_group)
         self.worker_error: torch.Tensor | None = None    # [N] float32, this rank's δ_i
         self.server_error: torch.Tensor | None = None    # [N / W] float32, this rank's chunk's δ̄
-        self._agreed: str | None = None                  # layout all ranks agreed on
         self._workspace: dict = {}                       # reused buffers (not state)
         self._denoms: dict = {}                          # p -> (settings, sqrt(v̂_Tw) + ε): v is frozen
 
     def add_param_group(self, param_group: dict) -> None:
         _check_group({**self.defaults, **param_group})
         super().add_param_group(param_group)
-
-    @property
-    def params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
 
     @property
     def steps_done(self) -> int:
@@ -145,23 +140,16 @@ class APMSqueeze(CommunicatingOptimizer):
         self.worker_error = saved["worker_error"].to(torch.float32).clone()
         self.server_error = saved["server_error"].to(torch.float32).clone()
 
-    def _agree(self, params) -> None:
-        """Handshake on the layout (and, after a load, the step) whenever it changes."""
-        layout = f"world_size={self.comm.world_size} warmup={self.warmup_steps} " + " ".join(
+    def _describe(self, params) -> str:
+        """The layout peers must share; the handshake also carries the step (checked after a load)."""
+        return f"world_size={self.comm.world_size} warmup={self.warmup_steps} " + " ".join(
             f"{tuple(p.shape)}:{p.dtype}" for p in params)
-        if layout != self._agreed:
-            handshake(self.comm, f"{layout} step={self.steps_done}")
-            self._agreed = layout
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.comm.stats.begin_step()
+        loss = self._begin_step(closure)
         params = self.params
-        self._agree(params)
+        self._agree(self._describe(params), f"step={self.steps_done}")
         for p in params:
             state = self.state[p]
             if not state:

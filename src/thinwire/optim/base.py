@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import CommStats, Communicator
+from .protocol import handshake
 
 STATS_KEY = "thinwire_comm_stats"
 
@@ -19,6 +20,29 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
 
     def _init_comm(self, process_group) -> None:
         self.comm = Communicator(process_group)
+        self._agreed: str | None = None          # the description all ranks last agreed on
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """Every parameter in param-group order: the order of every flat buffer."""
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _begin_step(self, closure) -> object:
+        """Run `closure` with gradients on (its loss is returned) and open this step's counters."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.comm.stats.begin_step()
+        return loss
+
+    def _agree(self, description: str, extra: str = "") -> None:
+        """Handshake with every peer whenever `description` (layout, wire settings) changes:
+        a mismatch raises PeerMismatchError on every rank before any payload is sent.
+        `extra` travels in the handshake but is not remembered (e.g. the step after a load)."""
+        if description != self._agreed:
+            handshake(self.comm, f"{description} {extra}".rstrip())
+            self._agreed = description
 
     @property
     def comm_stats(self) -> CommStats:

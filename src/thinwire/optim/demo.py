@@ -32,7 +32,7 @@ from ..compress import AGGREGATIONS, TRANSFORMS, ChunkedTopK, Payload
 from ..ops import muon_scale, orthogonalize
 from .base import CommunicatingOptimizer
 from .protocol import (HEADER_NBYTES, FLAG_NONFINITE, NonFiniteGradientError, all_finite,
-                       check_nonfinite_policy, handshake, read_headers, write_header)
+                       check_nonfinite_policy, read_headers, write_header)
 
 BASES = ("signum", "sgd", "muon")
 VALUES = ("fp32", "bf16", "int8", "sign")
@@ -110,7 +110,6 @@ class DeMo(CommunicatingOptimizer):
         super().__init__(params, defaults)
         self._init_comm(process_group)
         self._compressors: dict[tuple, ChunkedTopK] = {}
-        self._agreed: str | None = None          # description all ranks agreed on
         self._send: torch.Tensor | None = None   # reused message buffer
 
     def add_param_group(self, param_group: dict) -> None:
@@ -144,16 +143,10 @@ class DeMo(CommunicatingOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.comm.stats.begin_step()
+        loss = self._begin_step(closure)
         entries, nbytes = self._layout()
         description = self._describe(entries)
-        if description != self._agreed:
-            handshake(self.comm, description)
-            self._agreed = description
+        self._agree(description)
         if self._send is None or self._send.numel() != nbytes:
             self._send = torch.empty(nbytes, dtype=torch.uint8, device=entries[0][1].device)
         step = self._advance_step(entries)

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from .base import STATS_KEY, CommunicatingOptimizer
-from .protocol import NonFiniteGradientError, check_nonfinite_policy, handshake
+from .protocol import NonFiniteGradientError, check_nonfinite_policy
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -44,7 +44,6 @@ class DenseAllReduce(CommunicatingOptimizer):
         super().__init__([g for o in inner for g in o.param_groups], {})
         self._init_comm(process_group)
         self._buffer: torch.Tensor | None = None
-        self._agreed: str | None = None
 
     def state_dict(self):
         return {"optimizers": [o.state_dict() for o in self.optimizers], STATS_KEY: self.comm.stats.state_dict()}
@@ -61,22 +60,12 @@ class DenseAllReduce(CommunicatingOptimizer):
         if STATS_KEY in state_dict:
             self.comm.stats.load_state_dict(state_dict[STATS_KEY])
 
-    @property
-    def params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
-
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.comm.stats.begin_step()
+        loss = self._begin_step(closure)
         params = self.params
-        description = f"dense {self.grad_dtype} " + " ".join(str(tuple(p.shape)) for p in params)
-        if description != self._agreed:
-            handshake(self.comm, f"world_size={self.comm.world_size} {description}")
-            self._agreed = description
+        self._agree(f"world_size={self.comm.world_size} dense {self.grad_dtype} "
+                    + " ".join(str(tuple(p.shape)) for p in params))
         flat = self._flatten(params)
         self.comm.all_reduce(flat)
         if not bool(torch.isfinite(flat).all()):

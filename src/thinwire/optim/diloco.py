@@ -29,7 +29,7 @@ import torch
 from ..wire import get_codec
 from .base import STATS_KEY, CommunicatingOptimizer
 from .protocol import (FLAG_NONFINITE, HEADER_NBYTES, NonFiniteGradientError, PeerMismatchError, all_finite,
-                       handshake, read_headers, write_header)
+                       read_headers, write_header)
 
 WIRES = ("fp32", "bf16", "int8")
 INT8_BLOCK = 256        # values per int8 scale
@@ -154,11 +154,7 @@ class DiLoCo(CommunicatingOptimizer):
         super().__init__(self.inner.param_groups, {})    # shared group dicts: schedulers reach inner
         self._init_comm(process_group)
         self.sync = DeltaSync(self.comm, wire)
-        self.wire, self._agreed = wire, None
-
-    @property
-    def params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
+        self.wire = wire
 
     def _describe(self) -> str:
         shapes = " ".join(f"{tuple(p.shape)}:{p.dtype}" for p in self.params)
@@ -167,15 +163,9 @@ class DiLoCo(CommunicatingOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.comm.stats.begin_step()
+        loss = self._begin_step(closure)
         description = self._describe()
-        if description != self._agreed:
-            handshake(self.comm, description)
-            self._agreed = description
+        self._agree(description)
         params = self.params
         for p in params:                              # θ₀ is the parameters before the first step
             if "anchor" not in self.state[p]:

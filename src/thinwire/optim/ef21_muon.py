@@ -52,7 +52,7 @@ from ..compress.spec import parse_compressor
 from ..ops import NS_EPS, muon_scale, orthogonalize
 from .base import CommunicatingOptimizer
 from .protocol import (FLAG_NONFINITE, HEADER_NBYTES, NonFiniteGradientError, PeerMismatchError, all_finite,
-                       check_nonfinite_policy, handshake, read_headers, write_header)
+                       check_nonfinite_policy, read_headers, write_header)
 
 LMOS = ("auto", "spectral", "sign", "rms")
 TOPOLOGIES = ("server", "replicated")
@@ -132,7 +132,6 @@ class EF21Muon(CommunicatingOptimizer):
         _check_group(defaults)
         super().__init__(params, defaults)
         self._init_comm(process_group)
-        self._agreed: str | None = None
         self._buffers: dict[str, torch.Tensor] = {}
 
     def add_param_group(self, param_group: dict) -> None:
@@ -161,25 +160,18 @@ class EF21Muon(CommunicatingOptimizer):
             buf = self._buffers[name] = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return buf
 
-    def _agree(self, entries) -> None:
+    def _describe(self, entries) -> str:
         lines = [f"world_size={self.comm.world_size} topology={self.topology} seed={self.seed} "
                  f"uplink={self.uplink.name} downlink={self.downlink.name}"]
         lines += [f"{tuple(p.shape)} {p.dtype} lmo={g['lmo']} @{uo}+{un} @{do}+{dn}"
                   for g, p, _, uo, un, do, dn in entries]
-        description = "\n".join(lines)
-        if description != self._agreed:
-            handshake(self.comm, description)
-            self._agreed = description
+        return "\n".join(lines)
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.comm.stats.begin_step()
+        loss = self._begin_step(closure)
         entries, up_n, down_n = self._layout()
-        self._agree(entries)
+        self._agree(self._describe(entries))
         step = self._advance_step(entries)
         device = entries[0][1].device
         up, down = self._buffer("up", up_n, device), self._buffer("down", down_n, device)

@@ -46,7 +46,6 @@ import torch
 from ..ops import lowrank
 from .base import CommunicatingOptimizer
 from .diloco import DeltaSync, check_outer, check_sync_every, outer_step
-from .protocol import handshake
 
 _GROUP_KEYS = ("lr", "rank", "omega", "clip", "betas", "eps", "weight_decay", "low_rank", "error_feedback")
 
@@ -105,7 +104,7 @@ class LoRDO(CommunicatingOptimizer):
         super().__init__(params, defaults)
         self._init_comm(process_group)
         self.sync = DeltaSync(self.comm, wire)
-        self._agreed, self._warned = None, False
+        self._warned = False
 
     def add_param_group(self, param_group: dict) -> None:
         _check_group({**self.defaults, **param_group})
@@ -149,15 +148,9 @@ class LoRDO(CommunicatingOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.comm.stats.begin_step()
+        loss = self._begin_step(closure)
         description = self._describe()
-        if description != self._agreed:
-            handshake(self.comm, description)
-            self._agreed = description
+        self._agree(description)
         params = []
         for group in self.param_groups:
             for p in group["params"]:
