@@ -65,11 +65,13 @@ def test_apmsqueeze_dense_warmup_then_one_bit(run):
     assert dense_link / apm[-1]["link_bytes_sent"] > 30
 
 
-def test_ef21_muon_uplink_over_20x_smaller_than_dense_muon(run):
+def test_ef21_muon_uplink_over_7x_smaller_than_dense_muon(run):
+    """Default uplink top-10 % in bf16: 2 bytes per value plus bit-packed indices (~1/10 of
+    4 + 2 bytes per element and the header), so between 7x and 20x fewer bytes than fp32."""
     _, steps, _ = run
     muon, ef21 = steps["muon"][-1]["payload_bytes"], steps["ef21-muon"][-1]["payload_bytes"]
     assert muon == 4 * N_PARAMS
-    assert muon / ef21 > 20
+    assert 7 < muon / ef21 < 20
     assert all(s["collectives"] == 1 for s in steps["ef21-muon"][1:])     # replicated: one all_gather
 
 

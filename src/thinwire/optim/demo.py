@@ -71,7 +71,7 @@ def apply_base(p: torch.Tensor, delta: torch.Tensor, lr: float, base: str) -> No
         update = orthogonalize(matrix).view(p.shape).to(p.dtype)
         p.add_(update, alpha=-lr * muon_scale(matrix.shape))
     else:  # signum, and muon's fallback for vectors and scalars
-        p.add_(delta.sign().to(p.dtype), alpha=-lr)
+        p.add_(delta.sign_().to(p.dtype), alpha=-lr)            # delta is ours: sign it in place
 
 
 class DeMo(CommunicatingOptimizer):

@@ -35,7 +35,7 @@ class TrainConfig:
     values: str = "bf16"         # DeMo: wire precision of kept coefficients (fp32, bf16, int8, sign)
     rank: int = 4                # PowerSGD: approximation rank
     compressed_after: float = 0.2  # APMSqueeze: fraction of steps of dense Adam warmup before 1-bit momentum
-    uplink: str = "dct-topk:64+int8"  # EF21-Muon: uplink compressor spec (replicated topology, no downlink)
+    uplink: str = "topk:0.1+bf16"  # EF21-Muon: uplink compressor spec (replicated topology, no downlink)
     sync_every: int = 32         # LoRDO and DiLoCo: local steps between synchronisations
     lowrank: int = 0             # LoRDO: rank r of the projection (0: min(256, n_embd / 4))
 
@@ -47,8 +47,8 @@ class TrainConfig:
 PRESETS = {
     "tiny": TrainConfig(name="tiny", n_layer=1, n_embd=64, n_head=2, context=32, rows=16, steps=60,
                         eval_every=10, eval_rows=64),
-    # topk 56 with int8 values: the sweep's best trade-off at >= 100x fewer bytes than fp32 AdamW
-    "small": TrainConfig(topk=56, values="int8"),
+    # topk 58 with int8 values: the sweep's best loss at >= 100x fewer bytes than fp32 AdamW
+    "small": TrainConfig(topk=58, values="int8"),
     "base": TrainConfig(name="base", n_layer=4, n_embd=256, n_head=8, context=128, rows=64, steps=1000,
                         eval_every=50, eval_rows=512),
 }
