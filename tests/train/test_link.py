@@ -57,7 +57,10 @@ def test_teardown_on_exception():
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_teardown_on_signal(sig):
     # netns.py needs no torch: load it by path so the child starts in well under a second
-    code = ("import importlib.util, time\n"
+    # a runner started in the background (`cmd &`) passes SIGINT on as ignored; a terminal's
+    # Ctrl-C reaches a process with Python's default handler, so the child restores it
+    code = ("import importlib.util, signal, time\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             f"spec = importlib.util.spec_from_file_location('netns', {netns.__file__!r})\n"
             "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
             "with mod.EmulatedLink(2, 10e6) as link:\n"
