@@ -72,6 +72,21 @@ class DeltaSync:
     def _grid(self, n: int) -> tuple[int, int]:
         return (math.ceil(n / INT8_BLOCK), INT8_BLOCK) if self.wire == "int8" else (1, n)
 
+    def mean_delta(self, params: list, state: dict, step: int) -> torch.Tensor:
+        """mean over ranks of θ − θ₀ (state[p]['anchor']) for all params, one flat float32
+        buffer in param order. On a lossy wire each state[p]['sync_error'] keeps what its
+        part of the message lost, fed back at the next sync."""
+        delta = torch.cat([(p.detach() - state[p]["anchor"]).reshape(-1).float() for p in params])
+        if self.wire == "fp32":
+            return self.mean(delta, step)
+        for p in params:
+            state[p].setdefault("sync_error", torch.zeros(p.numel(), device=p.device))
+        error = torch.cat([state[p]["sync_error"] for p in params])
+        mean = self.mean(delta, step, error)                 # error updated in place
+        for p, part in zip(params, error.split([p.numel() for p in params])):
+            state[p]["sync_error"].copy_(part)
+        return mean
+
     def mean(self, x: torch.Tensor, step: int, error: torch.Tensor | None = None) -> torch.Tensor:
         if self.wire == "fp32":
             return self._all_reduce(x, step)
@@ -179,18 +194,10 @@ class DiLoCo(CommunicatingOptimizer):
         return loss
 
     def _sync(self, params, step: int) -> None:
-        delta = torch.cat([(p.detach() - self.state[p]["anchor"]).reshape(-1).float() for p in params])
-        error = None
-        if self.wire != "fp32":
-            for p in params:
-                self.state[p].setdefault("sync_error", torch.zeros(p.numel(), device=p.device))
-            error = torch.cat([self.state[p]["sync_error"] for p in params])
-        mean = self.sync.mean(delta, step, error)
+        mean = self.sync.mean_delta(params, self.state, step)
         offset = 0
         for p in params:
             state, n = self.state[p], p.numel()
-            if error is not None:
-                state["sync_error"].copy_(error[offset: offset + n])
             if self.outer_momentum and "outer_momentum" not in state:
                 state["outer_momentum"] = torch.zeros(n, device=p.device)
             outer_step(state["anchor"].view(-1), mean[offset: offset + n], state.get("outer_momentum"),

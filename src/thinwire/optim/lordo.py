@@ -198,19 +198,11 @@ class LoRDO(CommunicatingOptimizer):
     def _sync(self, params: list, step: int) -> None:
         """Average the deltas since the last sync, move every replica to the result, and
         refresh each low-rank parameter's basis from the averaged delta."""
-        delta = torch.cat([(p.detach() - self.state[p]["anchor"]).reshape(-1).float() for p in params])
-        error = None
-        if self.wire != "fp32":
-            for p in params:
-                self.state[p].setdefault("sync_error", torch.zeros(p.numel(), device=p.device))
-            error = torch.cat([self.state[p]["sync_error"] for p in params])
-        mean = self.sync.mean(delta, step, error)
+        mean = self.sync.mean_delta(params, self.state, step)
         offset = 0
         for p in params:
             state, n = self.state[p], p.numel()
             part = mean[offset: offset + n]
-            if error is not None:
-                state["sync_error"].copy_(error[offset: offset + n])
             if self.outer_momentum and "outer_momentum" not in state:
                 state["outer_momentum"] = torch.zeros(n, device=p.device)
             outer_step(state["anchor"].view(-1), part, state.get("outer_momentum"), self.outer_lr,
