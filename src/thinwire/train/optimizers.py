@@ -101,6 +101,10 @@ def _apmsqueeze(model, cfg, lr):
 # torch Muon's 'original' scale a hidden matrix moves ~lr/sqrt(d) per entry, an entry of a
 # sign-LMO group lr; 0.4 puts the embeddings near the AdamW step the Muon baseline gives them.
 EF21_VECTOR_LR = 0.4
+# Momentum weight β (M ← (1 − β) M + β g): with a compressed uplink G tracks M only as fast as
+# the compressor lets it, and the sweep (docs/harness.md) preferred 0.2 over 0.05-0.1 (Muon's
+# 0.95-0.9) and 0.3-0.4, compressed and uncompressed alike.
+EF21_BETA = 0.2
 
 
 def _ef21_muon(model, cfg, lr):
@@ -110,7 +114,7 @@ def _ef21_muon(model, cfg, lr):
     groups = [{"params": matrices, "lmo": "spectral"},
               {"params": embeddings, "lmo": "sign", "lr": lr * EF21_VECTOR_LR},
               {"params": gains, "lmo": "rms", "lr": lr * EF21_VECTOR_LR}]
-    opt = EF21Muon([g for g in groups if g["params"]], lr=lr, beta=0.05, weight_decay=0.1, uplink=cfg.uplink,
+    opt = EF21Muon([g for g in groups if g["params"]], lr=lr, beta=EF21_BETA, weight_decay=0.1, uplink=cfg.uplink,
                    downlink="identity", topology="replicated")
     return _wrap(opt, model)
 
@@ -142,7 +146,7 @@ register(OptimizerSpec("adamw", _adamw, {"tiny": 3e-3, "small": 1e-3, "base": 1e
                        description="dense fp32 all-reduce + AdamW"))
 register(OptimizerSpec("adam", _adam, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3}, dense=True,
                        description="dense fp32 all-reduce + Adam", counterpart="adam"))
-register(OptimizerSpec("muon", _muon, {"tiny": 3e-3, "small": 3e-3, "base": 3e-3}, dense=True,
+register(OptimizerSpec("muon", _muon, {"tiny": 3e-3, "small": 1e-2, "base": 1e-2}, dense=True,
                        description="dense fp32 all-reduce + Muon (AdamW for non-matrices)", counterpart="muon"))
 register(OptimizerSpec("powersgd", _powersgd, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3},
                        description="PyTorch DDP PowerSGD hook (rank 4) + AdamW"))
@@ -150,7 +154,7 @@ register(OptimizerSpec("demo", _demo, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3
                        description="DeMo (DCT top-k, signum)"))
 register(OptimizerSpec("apmsqueeze", _apmsqueeze, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3},
                        description="APMSqueeze (Adam warmup, then 1-bit momentum)", counterpart="adam"))
-register(OptimizerSpec("ef21-muon", _ef21_muon, {"tiny": 1e-2, "small": 7e-3, "base": 7e-3},
+register(OptimizerSpec("ef21-muon", _ef21_muon, {"tiny": 1e-2, "small": 1.2e-1, "base": 1.2e-1},
                        description="EF21-Muon (replicated, uplink top-10% bf16)", counterpart="muon"))
 register(OptimizerSpec("lordo", _lordo, {"tiny": 3e-3, "small": 3e-3, "base": 3e-3},
                        description="LoRDO (low-rank Adam, sync every 32)"))
