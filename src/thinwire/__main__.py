@@ -16,6 +16,7 @@ _FLOATS, _STRINGS = ("lr", "alpha", "beta", "compressed_after"), ("values", "upl
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
+    from .train.config import FIELD_HELP
     p.add_argument("--preset", default="small", help="tiny (smoke test), small (default), base")
     p.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
     p.add_argument("--out", help="directory for <optimizer>.jsonl logs, summary.json, table.md, plots")
@@ -27,7 +28,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     for name in _OVERRIDES:
         kind = float if name in _FLOATS else str if name in _STRINGS else int
-        p.add_argument("--" + name.replace("_", "-"), type=kind, help=f"override the preset's {name}")
+        p.add_argument("--" + name.replace("_", "-"), type=kind, help=FIELD_HELP[name] + " (overrides the preset)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--optimizer", default="demo", help="adamw, adam, muon, powersgd, demo, apmsqueeze, ef21-muon, lordo, diloco")
     _run_args(train)
     comp = sub.add_parser("compare", help="train with several optimizers; print loss, bytes and time table")
-    comp.add_argument("--optimizers", default=DEFAULT_COMPARE, help=f"comma-separated (default {DEFAULT_COMPARE})")
+    comp.add_argument("--optimizers", default=DEFAULT_COMPARE, help=f"comma-separated, from: adamw, adam, muon, powersgd, demo, "
+                      f"apmsqueeze, ef21-muon, lordo, diloco (default {DEFAULT_COMPARE})")
     _run_args(comp)
     quick = sub.add_parser("quickrun", help="short DeMo run on N gloo worker processes; prints loss and bytes")
     quick.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")

@@ -105,6 +105,8 @@ def test_demo_sends_over_100x_less(run):
     (["--preset", "huge"], "unknown preset 'huge'"),
     (["--data", "/nonexistent/thinwire"], "does not exist"),
     (["--workers", "40"], "40 workers but only 16 batch rows"),
+    (["--uplink", "topk:2"], "uplink='topk:2'"),
+    (["--compressed-after", "1.5"], "compressed_after must be in"),
 ])
 def test_user_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

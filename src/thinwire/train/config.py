@@ -44,6 +44,23 @@ class TrainConfig:
         return max(1, round(self.warmup_frac * self.steps))
 
 
+# One line per field for `--help` (the CLI's overrides).
+FIELD_HELP = {
+    "n_layer": "transformer blocks", "n_embd": "model width", "n_head": "attention heads",
+    "context": "tokens per window", "vocab_size": "vocabulary (256 for bytes; set it for a .bin)",
+    "rows": "global batch: windows per step, split across workers", "steps": "optimizer steps",
+    "eval_every": "steps between validation evaluations", "eval_rows": "validation windows",
+    "seed": "model init and data order", "lr": "base learning rate (default: the optimizer's swept value)",
+    "topk": "DeMo: coefficients kept per 64x64 chunk", "alpha": "DeMo: momentum subtraction",
+    "beta": "DeMo: momentum decay", "values": "DeMo: wire precision fp32|bf16|int8|sign",
+    "rank": "PowerSGD: approximation rank",
+    "compressed_after": "APMSqueeze: fraction of steps of dense Adam warmup before 1-bit momentum",
+    "uplink": "EF21-Muon: uplink compressor spec, e.g. topk:0.1+bf16 or dct-topk:32+int8",
+    "sync_every": "LoRDO and DiLoCo: local steps between synchronisations",
+    "lowrank": "LoRDO: projection rank (0: width / 4, at most 256)",
+}
+
+
 PRESETS = {
     "tiny": TrainConfig(name="tiny", n_layer=1, n_embd=64, n_head=2, context=32, rows=16, steps=60,
                         eval_every=10, eval_rows=64),
@@ -68,6 +85,8 @@ def get_preset(name: str, **overrides) -> TrainConfig:
             raise ValueError(f"{key} must be >= 1, got {getattr(cfg, key)}")
     if cfg.values not in ("fp32", "bf16", "int8", "sign"):
         raise ValueError(f"values must be one of fp32, bf16, int8, sign, got {cfg.values!r}")
+    from ..compress.spec import parse_compressor
+    parse_compressor(cfg.uplink, "uplink")                 # ValueError naming the bad spec
     if not 0.0 <= cfg.compressed_after <= 1.0:
         raise ValueError(f"compressed_after must be in [0, 1], got {cfg.compressed_after}")
     if cfg.sync_every < 1 or cfg.lowrank < 0:
