@@ -66,8 +66,8 @@ def test_apmsqueeze_dense_warmup_then_one_bit(run):
 
 
 def test_ef21_muon_uplink_over_7x_smaller_than_dense_muon(run):
-    """Default uplink top-10 % in bf16: 2 bytes per value plus bit-packed indices (~1/10 of
-    4 + 2 bytes per element and the header), so between 7x and 20x fewer bytes than fp32."""
+    """Default uplink top-15 % in int8: 1 byte per value plus bit-packed indices (12-15 bits
+    for these tensors) on 15 % of the elements, about 10x fewer bytes than fp32."""
     _, steps, _ = run
     muon, ef21 = steps["muon"][-1]["payload_bytes"], steps["ef21-muon"][-1]["payload_bytes"]
     assert muon == 4 * N_PARAMS

@@ -35,7 +35,7 @@ class TrainConfig:
     values: str = "bf16"         # DeMo: wire precision of kept coefficients (fp32, bf16, int8, sign)
     rank: int = 4                # PowerSGD: approximation rank
     compressed_after: float = 0.2  # APMSqueeze: fraction of steps of dense Adam warmup before 1-bit momentum
-    uplink: str = "topk:0.1+bf16"  # EF21-Muon: uplink compressor spec (replicated topology, no downlink)
+    uplink: str = "topk:0.15+int8"  # EF21-Muon: uplink compressor spec (replicated topology, no downlink)
     sync_every: int = 32         # LoRDO and DiLoCo: local steps between synchronisations
     lowrank: int = 0             # LoRDO: rank r of the projection (0: min(256, n_embd / 4))
 
@@ -55,7 +55,7 @@ FIELD_HELP = {
     "beta": "DeMo: momentum decay", "values": "DeMo: wire precision fp32|bf16|int8|sign",
     "rank": "PowerSGD: approximation rank",
     "compressed_after": "APMSqueeze: fraction of steps of dense Adam warmup before 1-bit momentum",
-    "uplink": "EF21-Muon: uplink compressor spec, e.g. topk:0.1+bf16 or dct-topk:32+int8",
+    "uplink": "EF21-Muon: uplink compressor spec, e.g. topk:0.15+int8 or dct-topk:32+int8",
     "sync_every": "LoRDO and DiLoCo: local steps between synchronisations",
     "lowrank": "LoRDO: projection rank (0: width / 4, at most 256)",
 }
