@@ -22,6 +22,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def outcome_of(fn):
+    """Run fn(); ('ok', its value) or (the exception's type name, its message): tests compare
+    which error each rank saw."""
+    try:
+        return "ok", fn()
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+
+
 def _worker(fn, rank: int, world_size: int, tmpdir: str, args: tuple, collective_timeout: float) -> None:
     torch.set_num_threads(1)
     result_path = os.path.join(tmpdir, f"result{rank}.pt")

@@ -11,9 +11,11 @@ from __future__ import annotations
 import io
 import traceback
 
+import pytest
 import torch
 
 import thinwire
+from tests.dist import run_workers
 from tests.optim import problem
 
 STEPS, RESUME_AT = 50, 25
@@ -94,6 +96,24 @@ def per_rank(outcome, name: str) -> tuple[int, list]:
     errors = [r["error"] for r in ranks if "error" in r]
     assert not errors, errors[0]
     return world, ranks
+
+
+def suite_ranks(outcome, name: str) -> tuple[int, list]:
+    """per_rank for a suite whose per-rank results hold run_contract's under 'contract'."""
+    world, results = outcome
+    return per_rank((world, [r["contract"] for r in results]), name)
+
+
+def suite_fixture(suite, configs: dict, worlds, timeout: float = 300):
+    """A module-scoped fixture `outcome` = (world, [suite(rank, world, configs) per rank]) for
+    each world; a world of one runs in this process (no process group, no spawn)."""
+    @pytest.fixture(scope="module", params=worlds, ids=lambda w: f"world{w}")
+    def outcome(request):
+        world = request.param
+        if world == 1:
+            return world, [suite(0, 1, configs)]
+        return world, run_workers(suite, world, args=(configs,), timeout=timeout)
+    return outcome
 
 
 def assert_replicas_identical(world: int, ranks: list, key: str = "params") -> None:

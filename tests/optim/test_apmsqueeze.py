@@ -36,9 +36,6 @@ def outcome(request):
     return world, run_workers(ref.suite, world, args=(CONFIGS,), timeout=300)
 
 
-def _contract(outcome, name):
-    world, results = outcome
-    return contract.per_rank((world, [r["contract"] for r in results]), name)
 
 
 # ---- the compressed all-reduce --------------------------------------------------------------
@@ -156,7 +153,7 @@ def test_compressed_phase_follows_the_equations(outcome):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_contract_replicas_identical_and_resume_in_lockstep(outcome, name):
-    world, ranks = _contract(outcome, name)
+    world, ranks = contract.suite_ranks(outcome, name)
     contract.assert_replicas_identical(world, ranks)
     contract.assert_resume_identical(ranks)
     contract.assert_loss_falls(ranks)
@@ -176,7 +173,7 @@ def _expected_step(world: int, numel: int, compressed: bool) -> dict:
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_contract_bytes_counted_equal_wire_format(outcome, name):
-    world, ranks = _contract(outcome, name)
+    world, ranks = contract.suite_ranks(outcome, name)
     numel, warmup = outcome[1][0]["numel"], CONFIGS[name]["kwargs"]["warmup_steps"]
     handshake = 8 if world > 1 else 0
     for result in ranks:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist import run_workers
+from tests.dist import outcome_of
 from tests.optim import contract, problem
 from thinwire.optim.diloco import DiLoCo
 
@@ -30,24 +30,19 @@ WORLDS = [1, 2]
 NUMEL = sum(p.numel() for p in problem.make_model().parameters())
 
 
-def _outcome(fn):
-    try:
-        return "ok", fn()
-    except Exception as exc:  # the test inspects which error each rank saw
-        return type(exc).__name__, str(exc)
 
 
 def _bad_peers(rank, world):
     p = torch.nn.Parameter(torch.randn(4, 4 if rank == 0 else 5))
     opt = DiLoCo([p], sync_every=1)
     p.grad = torch.randn_like(p)
-    mismatch = _outcome(opt.step)
+    mismatch = outcome_of(opt.step)
     q = torch.nn.Parameter(torch.randn(6))
     opt = DiLoCo([q], sync_every=2)
     nan = []
     for step in range(2):
         q.grad = torch.full_like(q, float("nan") if (step == 1 and rank == world - 1) else 1.0)
-        nan.append(_outcome(opt.step)[0])
+        nan.append(outcome_of(opt.step)[0])
     return mismatch, nan
 
 
@@ -63,39 +58,29 @@ def suite(rank, world, configs):
             "contract": contract.run_contract(rank, world, configs)}
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
-def outcome(request):
-    world = request.param
-    if world == 1:      # a world of one needs no process group: skip the spawn's cost
-        return world, [suite(0, 1, CONFIGS)]
-    return world, run_workers(suite, world, args=(CONFIGS,), timeout=300)
-
-
-def _contract(outcome, name):
-    world, results = outcome
-    return contract.per_rank((world, [r["contract"] for r in results]), name)
+outcome = contract.suite_fixture(suite, CONFIGS, WORLDS)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_replicas_bit_identical_after_sync(outcome, name):
-    contract.assert_replicas_identical(*_contract(outcome, name))
+    contract.assert_replicas_identical(*contract.suite_ranks(outcome, name))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_resume_continues_bit_identically(outcome, name):
-    contract.assert_resume_identical(_contract(outcome, name)[1])
+    contract.assert_resume_identical(contract.suite_ranks(outcome, name)[1])
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_loss_falls(outcome, name):
-    contract.assert_loss_falls(_contract(outcome, name)[1])
+    contract.assert_loss_falls(contract.suite_ranks(outcome, name)[1])
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_bytes_amortised_over_h(outcome, name):
     """Nothing on local steps; on sync steps fp32: all-reduce of n + 3 floats; bf16:
     all-gather of an 8-byte header plus n bf16 values."""
-    world, per_rank = _contract(outcome, name)
+    world, per_rank = contract.suite_ranks(outcome, name)
     k = CONFIGS[name]["kwargs"]["sync_every"]
     if CONFIGS[name]["kwargs"].get("wire", "fp32") == "fp32":
         n = 4 * (NUMEL + 3)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-from tests.dist import run_workers
+from tests.dist import outcome_of, run_workers
 from tests.optim import contract, problem
 from thinwire.optim.ef21_muon import EF21Muon
 from thinwire.optim.protocol import NonFiniteGradientError
@@ -276,11 +276,6 @@ def test_matches_an_independent_simulation_of_the_equations(agreement):
 
 
 # ---- bad peers ---------------------------------------------------------------------------
-def _outcome(fn):
-    try:
-        return "ok", fn()
-    except Exception as exc:  # the test inspects which error each rank saw
-        return type(exc).__name__, str(exc)
 
 
 def _failures_worker(rank, world):
@@ -294,20 +289,20 @@ def _failures_worker(rank, world):
             p.grad = torch.randn_like(p)
             if rank == world - 1:
                 p.grad[2, 3] = float("inf")
-            status = _outcome(opt.step)
+            status = outcome_of(opt.step)
             unchanged = torch.equal(p.detach(), before) and not opt.state[p]["momentum"].any()
             p.grad = torch.ones_like(p)                 # the next step works: nobody is stuck
-            out[topology, policy] = (status[0], unchanged, _outcome(opt.step)[0], p.detach().clone())
+            out[topology, policy] = (status[0], unchanged, outcome_of(opt.step)[0], p.detach().clone())
         p = torch.nn.Parameter(torch.ones(8, 8))
         opt = EF21Muon([p], topology=topology)
         p.grad = torch.ones_like(p)
         opt.step()
         if rank == 1:
             opt.state[p]["step"] += 3                   # as if resumed from another checkpoint
-        out[topology, "lockstep"] = _outcome(opt.step)[0]
+        out[topology, "lockstep"] = outcome_of(opt.step)[0]
         q = torch.nn.Parameter(torch.randn(8, 8 + rank))
         q.grad = torch.randn_like(q)
-        out[topology, "shapes"] = _outcome(EF21Muon([q], topology=topology).step)[0]
+        out[topology, "shapes"] = outcome_of(EF21Muon([q], topology=topology).step)[0]
     return out
 
 

@@ -4,22 +4,16 @@ import pytest
 import torch
 
 import thinwire
-from tests.dist import run_workers
+from tests.dist import outcome_of, run_workers
 
 
-def _outcome(fn):
-    """Run fn(); return ('ok', value) or (exception type name, message)."""
-    try:
-        return "ok", fn()
-    except Exception as exc:  # the test inspects which error each rank saw
-        return type(exc).__name__, str(exc)
 
 
 def _mismatched_shapes(rank, world):
     p = torch.nn.Parameter(torch.randn(16, 16 if rank == 0 else 17))
     opt = thinwire.DeMo([p])
     p.grad = torch.randn_like(p)
-    return _outcome(opt.step)
+    return outcome_of(opt.step)
 
 
 def _nan_on_last_rank(rank, world, nonfinite, kind):
@@ -31,11 +25,11 @@ def _nan_on_last_rank(rank, world, nonfinite, kind):
     p.grad = torch.randn_like(p)
     if rank == world - 1:
         p.grad[3, 5] = float("nan")
-    status = _outcome(opt.step)
+    status = outcome_of(opt.step)
     unchanged = torch.equal(p.detach(), before)
     # A finite step afterwards proves no rank is stuck in a collective.
     p.grad = torch.ones_like(p)
-    after_status = _outcome(opt.step)
+    after_status = outcome_of(opt.step)
     return status, unchanged, after_status[0], p.detach().clone()
 
 
@@ -46,7 +40,7 @@ def _out_of_lockstep(rank, world):
     opt.step()
     if rank == 1:
         opt.state[p]["step"] += 3        # as if resumed from another checkpoint
-    return _outcome(opt.step)
+    return outcome_of(opt.step)
 
 
 @pytest.mark.parametrize("world", [2, 3])

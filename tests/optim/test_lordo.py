@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from tests.dist import run_workers
+from tests.dist import outcome_of
 from tests.optim import contract, problem
 from thinwire.ops import lowrank
 from thinwire.optim.lordo import LoRDO
@@ -38,18 +38,13 @@ WORLDS = [1, 3]
 NUMEL = sum(p.numel() for p in problem.make_model().parameters())   # 24*37 + 37 + 37*10 + 10 = 1305
 
 
-def _outcome(fn):
-    try:
-        return "ok", fn()
-    except Exception as exc:  # the test inspects which error each rank saw
-        return type(exc).__name__, str(exc)
 
 
 def _mismatched_shapes(rank):
     p = torch.nn.Parameter(torch.randn(16, 16 if rank == 0 else 17))
     opt = LoRDO([p], rank=2, sync_every=1)
     p.grad = torch.randn_like(p)
-    return _outcome(opt.step)
+    return outcome_of(opt.step)
 
 
 def _nan_on_last_rank(rank, world, wire):
@@ -61,7 +56,7 @@ def _nan_on_last_rank(rank, world, wire):
         p.grad = torch.randn_like(p)
         if step == 1 and rank == world - 1:
             p.grad[3, 5] = float("nan")
-        statuses.append(_outcome(opt.step)[0])
+        statuses.append(outcome_of(opt.step)[0])
     return statuses
 
 
@@ -83,34 +78,24 @@ def suite(rank, world, configs):
             "reference": _reference_run(rank, world), "contract": contract.run_contract(rank, world, configs)}
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
-def outcome(request):
-    world = request.param
-    if world == 1:      # a world of one needs no process group: skip the spawn's cost
-        return world, [suite(0, 1, CONFIGS)]
-    return world, run_workers(suite, world, args=(CONFIGS,), timeout=300)
-
-
-def _contract(outcome, name):
-    world, results = outcome
-    return contract.per_rank((world, [r["contract"] for r in results]), name)
+outcome = contract.suite_fixture(suite, CONFIGS, WORLDS)
 
 
 # ---- contract, adapted: replicas identical right after the last sync (step 50) ------------
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_replicas_bit_identical_after_sync(outcome, name):
-    contract.assert_replicas_identical(*_contract(outcome, name))
+    contract.assert_replicas_identical(*contract.suite_ranks(outcome, name))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_resume_continues_bit_identically(outcome, name):
-    contract.assert_resume_identical(_contract(outcome, name)[1])
+    contract.assert_resume_identical(contract.suite_ranks(outcome, name)[1])
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_loss_falls(outcome, name):
-    contract.assert_loss_falls(_contract(outcome, name)[1])
+    contract.assert_loss_falls(contract.suite_ranks(outcome, name)[1])
 
 
 def sync_counters(kwargs: dict, world: int) -> dict:
@@ -129,7 +114,7 @@ def sync_counters(kwargs: dict, world: int) -> dict:
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_bytes_counted_equal_wire_format(outcome, name):
-    world, per_rank = _contract(outcome, name)
+    world, per_rank = contract.suite_ranks(outcome, name)
     kwargs = CONFIGS[name]["kwargs"]
     k, sync = kwargs["sync_every"], sync_counters(kwargs, world)
     zero = dict.fromkeys(sync, 0)
