@@ -36,7 +36,7 @@ import warnings
 import torch
 
 from ..compress.onebit import compressed_allreduce, padded_numel
-from .base import CommunicatingOptimizer
+from .base import CommunicatingOptimizer, flatten_grads
 from .protocol import (FLAG_NONFINITE, HEADER_NBYTES, NonFiniteGradientError, all_finite,
                        read_headers, write_header)
 
@@ -174,8 +174,7 @@ class APMSqueeze(CommunicatingOptimizer):
                 offset += p.numel()
 
     def _warmup_step(self, params, t: int) -> None:
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                          for p in params])
+        flat = self._workspace["grads"] = flatten_grads(params, self._workspace.get("grads"), torch.float32)
         self.comm.all_reduce(flat)           # every rank sees the same sum: NaN/inf anywhere shows
         if not bool(torch.isfinite(flat).all()):
             raise NonFiniteGradientError(f"non-finite averaged gradient at step {t} (warmup): some rank's "
@@ -222,6 +221,7 @@ class APMSqueeze(CommunicatingOptimizer):
             # first compressed step (or a changed layout, whose old errors no longer line up)
             self.worker_error = torch.zeros(n, dtype=torch.float32, device=dev)
             self.server_error = torch.zeros(n // world, dtype=torch.float32, device=dev)
+        self._workspace.pop("grads", None)              # the warmup's gradient buffer is done with
         x = self._workspace.get("x")
         if x is None or x.numel() != n:
             x = self._workspace["x"] = torch.empty(n, dtype=torch.float32, device=dev)

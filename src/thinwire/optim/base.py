@@ -10,6 +10,23 @@ from .protocol import handshake
 STATS_KEY = "thinwire_comm_stats"
 
 
+def flatten_grads(params, buffer: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Every parameter's gradient (zeros where it is None), in order, in one flat `dtype`
+    buffer: `buffer` itself when its size and dtype fit, so steps reuse one allocation."""
+    total = sum(p.numel() for p in params)
+    if buffer is None or buffer.numel() != total or buffer.dtype != dtype:
+        buffer = torch.empty(total, dtype=dtype, device=params[0].device)
+    offset = 0
+    for p in params:
+        view = buffer[offset: offset + p.numel()]
+        if p.grad is None:
+            view.zero_()
+        else:
+            view.copy_(p.grad.reshape(-1))
+        offset += p.numel()
+    return buffer
+
+
 class CommunicatingOptimizer(torch.optim.Optimizer):
     """A torch optimizer that talks to its peers through `self.comm`.
 

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from .base import STATS_KEY, CommunicatingOptimizer
+from .base import STATS_KEY, CommunicatingOptimizer, flatten_grads
 from .protocol import NonFiniteGradientError, check_nonfinite_policy
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
@@ -66,7 +66,7 @@ class DenseAllReduce(CommunicatingOptimizer):
         params = self.params
         self._agree(f"world_size={self.comm.world_size} dense {self.grad_dtype} "
                     + " ".join(str(tuple(p.shape)) for p in params))
-        flat = self._flatten(params)
+        flat = self._buffer = flatten_grads(params, self._buffer, self.grad_dtype)
         self.comm.all_reduce(flat)
         if not bool(torch.isfinite(flat).all()):
             if self.nonfinite == "raise":
@@ -78,20 +78,6 @@ class DenseAllReduce(CommunicatingOptimizer):
         for o in self.optimizers:
             o.step()
         return loss
-
-    def _flatten(self, params) -> torch.Tensor:
-        total = sum(p.numel() for p in params)
-        if self._buffer is None or self._buffer.numel() != total:
-            self._buffer = torch.empty(total, dtype=self.grad_dtype, device=params[0].device)
-        offset = 0
-        for p in params:
-            view = self._buffer[offset: offset + p.numel()]
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(p.grad.reshape(-1))
-            offset += p.numel()
-        return self._buffer
 
     def _unflatten(self, flat: torch.Tensor, params) -> None:
         offset = 0
