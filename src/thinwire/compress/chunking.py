@@ -81,12 +81,28 @@ class ChunkPlan:
     def padded(self) -> bool:
         return (self.padded_rows, self.padded_cols) != (self.rows, self.cols)
 
-    def padded_matrix(self, x: torch.Tensor) -> torch.Tensor:
-        """[*shape] -> [padded_rows, padded_cols] (a view unless the plan pads)."""
+    @property
+    def padded_numel(self) -> int:
+        return self.padded_rows * self.padded_cols
+
+    def matrix_in(self, buf: torch.Tensor) -> torch.Tensor:
+        """The front of a flat buffer (>= padded_numel elements) viewed as [padded_rows, padded_cols]."""
+        return buf[: self.padded_numel].view(self.padded_rows, self.padded_cols)
+
+    def padded_matrix(self, x: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
+        """[*shape] -> float32 [padded_rows, padded_cols]: a view of x when x is float32,
+        contiguous and unpadded, else a copy, written into the front of `buf` (flat float32,
+        >= padded_numel) when given, so no fresh full-size tensor is allocated."""
         m = x.reshape(self.rows, self.cols)
-        if self.padded:
-            m = torch.nn.functional.pad(m, (0, self.padded_cols - self.cols, 0, self.padded_rows - self.rows))
-        return m
+        if not self.padded and m.dtype == torch.float32 and m.is_contiguous():
+            return m
+        if buf is None:
+            buf = torch.empty(self.padded_numel, dtype=torch.float32, device=x.device)
+        out = self.matrix_in(buf)
+        out[: self.rows, : self.cols].copy_(m)
+        out[: self.rows, self.cols:].zero_()
+        out[self.rows:].zero_()
+        return out
 
     def crop(self, m: torch.Tensor) -> torch.Tensor:
         """[padded_rows, padded_cols] -> [*shape], dropping padding."""

@@ -4,7 +4,13 @@ Wire format of one tensor (all sizes derived from its shape, so nothing else is 
     indices: num_chunks * k indices, each in ceil(log2(h*w)) bits (`thinwire.wire.pack_bits`)
     values:  num_chunks rows of k values in the chosen codec (fp32, bf16, fp16, int8 or
              sign, with one scale per chunk for the last two)
-k = min(topk, h*w). Coefficient order inside a chunk is row-major over (h, w).
+k = min(topk, h*w). Chunks are in row-major order over the chunk grid, and a coefficient's
+index inside its chunk is row-major over (h, w).
+
+Internally the coefficients live in image layout (`ChunkTransform.forward_image`): a
+[padded_rows, padded_cols] matrix, coefficient (u, v) of chunk (a, b) at [a*h+u, b*w+v].
+The methods taking `scratch` write their full-size intermediates there (a flat float32
+buffer of at least `plan.padded_numel` elements) instead of allocating.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from .transforms import ChunkTransform
 
 AGGREGATIONS = ("mean", "senders")
 
+Read = tuple[torch.Tensor, torch.Tensor]   # (indices [n_chunks, k] int64, values [n_chunks, k] float32)
+
 
 class ChunkedTopK:
     """encode(x) keeps the k largest-magnitude transform coefficients of every chunk.
@@ -27,8 +35,8 @@ class ChunkedTopK:
     aggregate() averages what all ranks sent: 'mean' divides the sum by the number of ranks
     (the average of the ranks' decoded tensors); 'senders' divides each coefficient by the
     number of ranks that sent it (bloc97/DeMo's scatter_reduce(mean)). Ranks are summed in
-    rank order, one scatter per rank (indices are unique within a rank), so the result is
-    bit-identical on every rank and device.
+    rank order, one scatter per rank (indices are unique within a rank, so no two writes of
+    one scatter meet), so the result is bit-identical on every rank and device.
     """
 
     def __init__(self, topk: int = 32, chunk: int = 64, transform: str = "dct", values: str = "bf16",
@@ -41,6 +49,7 @@ class ChunkedTopK:
         self.transform = ChunkTransform(transform, seed)
         self.codec = get_codec(values)
         self._plans: dict[tuple[int, ...], ChunkPlan] = {}
+        self._origins: dict[tuple, torch.Tensor] = {}
 
     def plan(self, shape) -> ChunkPlan:
         shape = tuple(shape)
@@ -60,27 +69,65 @@ class ChunkedTopK:
     def payload_nbytes(self, shape) -> int:
         return sum(n for _, n in self.payload_spec(shape))
 
-    def coefficients(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
-        """[*shape] -> [num_chunks, h*w] transform coefficients (float32)."""
-        plan = self.plan(x.shape)
-        return self.transform.forward(plan.padded_matrix(x), plan, step)
+    # --- image layout ---------------------------------------------------------------------
 
-    def encode(self, x: torch.Tensor, step: int = 0, out: torch.Tensor | None = None) -> Payload:
-        """Top-k coefficients of every chunk of x; written into `out` (flat uint8) if given."""
-        return self.encode_coefficients(self.coefficients(x, step), x.shape, out)
+    def positions(self, plan: ChunkPlan, idx: torch.Tensor) -> torch.Tensor:
+        """Chunk-local indices [n_chunks, k] -> flat positions in the image [R*C], int64."""
+        key = (plan.shape, plan.chunk_rows, plan.chunk_cols, idx.device)
+        if key not in self._origins:   # flat position of each chunk's (0, 0): a*h*C + b*w
+            (gr, gc), h, w, cols = plan.grid, plan.chunk_rows, plan.chunk_cols, plan.padded_cols
+            rows = torch.arange(gr, device=idx.device)[:, None] * (h * cols)
+            self._origins[key] = (rows + torch.arange(gc, device=idx.device)[None, :] * w).view(-1, 1)
+        w = plan.chunk_cols
+        u = torch.div(idx, w, rounding_mode="floor")
+        return (idx - u * w).add_(u * plan.padded_cols).add_(self._origins[key])
 
-    def encode_coefficients(self, coeffs: torch.Tensor, shape, out: torch.Tensor | None = None) -> Payload:
-        """Like encode, from coefficients already in the transform domain ([n_chunks, h*w])."""
+    def select(self, image: torch.Tensor, shape, scratch: torch.Tensor | None = None) -> Read:
+        """The k largest-magnitude coefficients of every chunk of an image [R, C]:
+        (chunk-local indices [n_chunks, k], their values [n_chunks, k])."""
+        plan, k = self.plan(shape), self.k(shape)
+        (gr, gc), h, w = plan.grid, plan.chunk_rows, plan.chunk_cols
+        if scratch is None:
+            scratch = torch.empty(plan.padded_numel, device=image.device)
+        magnitude = scratch[: plan.padded_numel].view(gr, gc, h, w)
+        # [R, C] -> [gr, h, gc, w] -> [gr, gc, h, w]: |coefficients| chunk-major, one strided pass
+        torch.abs(image.view(gr, h, gc, w).permute(0, 2, 1, 3), out=magnitude)
+        idx = magnitude.view(plan.num_chunks, h * w).topk(k, dim=-1, sorted=False).indices
+        return idx, image.view(-1)[self.positions(plan, idx)]
+
+    def write(self, read: Read, shape, out: torch.Tensor | None = None) -> Payload:
+        """Pack (indices, values) into the wire format; into `out` (flat uint8) if given."""
         spec = self.payload_spec(shape)
         if out is None:
-            out = torch.empty(sum(n for _, n in spec), dtype=torch.uint8, device=coeffs.device)
+            out = torch.empty(sum(n for _, n in spec), dtype=torch.uint8, device=read[1].device)
         payload = Payload.from_buffer(out, spec)
-        idx = coeffs.abs().topk(self.k(shape), dim=-1, sorted=False).indices       # [n_chunks, k]
-        pack_bits(idx, index_width(coeffs.shape[-1]), out=payload.parts["indices"])
-        self.codec.encode(coeffs.gather(-1, idx), out=payload.parts["values"])
+        pack_bits(read[0], index_width(self.plan(shape).chunk_elems), out=payload.parts["indices"])
+        self.codec.encode(read[1], out=payload.parts["values"])
         return payload
 
-    def read(self, payload: Payload, shape) -> tuple[torch.Tensor, torch.Tensor]:
+    def scatter(self, image: torch.Tensor, read: Read, shape, alpha: float = 1.0) -> torch.Tensor:
+        """image += alpha * (the coefficients of `read`), in place; indices within one read
+        are unique, so no two writes meet and the result does not depend on scheduling."""
+        pos = self.positions(self.plan(shape), read[0]).view(-1)
+        return image.view(-1).index_add_(0, pos, read[1].reshape(-1), alpha=alpha).view_as(image)
+
+    # --- tensors in, tensors out --------------------------------------------------------
+
+    def coefficients(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
+        """[*shape] -> [num_chunks, h*w] transform coefficients (float32), chunk-major."""
+        plan = self.plan(x.shape)
+        (gr, gc), h, w = plan.grid, plan.chunk_rows, plan.chunk_cols
+        image = self.transform.forward_image(plan.padded_matrix(x), plan, step)
+        return image.view(gr, h, gc, w).permute(0, 2, 1, 3).reshape(plan.num_chunks, h * w)
+
+    def encode(self, x: torch.Tensor, step: int = 0, out: torch.Tensor | None = None,
+               scratch: torch.Tensor | None = None) -> Payload:
+        """Top-k coefficients of every chunk of x; written into `out` (flat uint8) if given."""
+        plan = self.plan(x.shape)
+        image = self.transform.forward_image(plan.padded_matrix(x), plan, step, scratch=scratch)
+        return self.write(self.select(image, x.shape, scratch), x.shape, out)
+
+    def read(self, payload: Payload, shape) -> Read:
         """(indices [n_chunks, k] int64, values [n_chunks, k] float32), validated."""
         plan, k = self.plan(shape), self.k(shape)
         count, elems = plan.num_chunks * k, plan.chunk_elems
@@ -94,38 +141,27 @@ class ChunkedTopK:
 
     def decode(self, payload: Payload, shape, step: int = 0) -> torch.Tensor:
         """The dense tensor (float32, `shape`) a receiver reconstructs from one payload."""
-        plan = self.plan(shape)
-        return plan.from_chunks(self.transform.sparse_inverse(*self.read(payload, shape), plan, step))
+        return self.aggregate([self.read(payload, shape)], shape, step)
 
-    def subtract_decoded(self, target: torch.Tensor, read: tuple[torch.Tensor, torch.Tensor], alpha: float,
-                         step: int = 0) -> None:
-        """target -= alpha * decode(payload), in place, from a payload's `read()` output."""
-        plan = self.plan(target.shape)
-        chunks = self.transform.sparse_inverse(*read, plan, step).to(target.dtype)   # [gr, gc, h, w]
-        if plan.padded or not target.is_contiguous():
-            target.sub_(plan.from_chunks(chunks), alpha=alpha)
-        else:  # subtract through a chunk-shaped view of target: no reordering copy
-            plan.chunk_view(target.view(plan.rows, plan.cols)).sub_(chunks, alpha=alpha)
-
-    def aggregate(self, reads: Sequence[tuple[torch.Tensor, torch.Tensor]], shape, step: int = 0,
-                  mode: str = "mean") -> torch.Tensor:
-        """Average of the ranks' decoded tensors, from their payloads' `read()` outputs
-        (see the class docstring for `mode`)."""
+    def aggregate(self, reads: Sequence[Read], shape, step: int = 0, mode: str = "mean", *,
+                  out: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """Average of the ranks' decoded tensors, from their payloads' `read()` outputs (see the
+        class docstring for `mode`), as float32 [*shape]. With `out` and `scratch` (flat
+        float32, >= padded_numel each) the result is a view into `out`."""
         if mode not in AGGREGATIONS:
             raise ValueError(f"mode must be one of {AGGREGATIONS}, got {mode!r}")
         plan = self.plan(shape)
-        sent = len(reads) * reads[0][0].shape[1]                    # coefficients per chunk, all ranks
-        if mode == "mean" and sent < plan.chunk_rows + plan.chunk_cols:
-            # Σ_r Σ_j (c_rj / W) outer(P_h[u_rj], P_w[v_rj]): h·w·W·k multiply-adds per chunk
-            # instead of the dense inverse's h·w·(h + w), and no dense zero-fill and scatter
-            idx = torch.cat([i for i, _ in reads], dim=1)           # [n_chunks, W*k], rank order
-            vals = torch.cat([v for _, v in reads], dim=1).div_(len(reads))
-            return plan.from_chunks(self.transform.sparse_inverse(idx, vals, plan, step))
-        dense = torch.zeros(plan.num_chunks, plan.chunk_elems, device=reads[0][1].device)  # [n_chunks, h*w]
-        counts = torch.zeros_like(dense) if mode == "senders" else None
-        for idx, vals in reads:  # rank order: a fixed summation order on every rank
-            dense.scatter_add_(1, idx, vals)
-            if counts is not None:
-                counts.scatter_add_(1, idx, torch.ones_like(vals))
-        dense.div_(len(reads) if counts is None else counts.clamp_(min=1))
-        return plan.crop(self.transform.inverse(dense, plan, step))
+        device = reads[0][1].device
+        if out is None:
+            out = torch.empty(plan.padded_numel, device=device)
+        image = plan.matrix_in(out).zero_()
+        for read in reads:  # rank order: a fixed summation order on every rank
+            self.scatter(image, read, shape)
+        if mode == "mean":
+            image.div_(len(reads))
+        else:
+            counts = torch.zeros_like(image) if scratch is None else plan.matrix_in(scratch).zero_()
+            for idx, vals in reads:
+                self.scatter(counts, (idx, torch.ones_like(vals)), shape)
+            image.div_(counts.clamp_(min=1))
+        return plan.crop(self.transform.inverse_image(image, plan, step, scratch=scratch))

@@ -87,10 +87,12 @@ class DeMo(CommunicatingOptimizer):
         aggregate: 'mean' over ranks, or 'senders' (the reference's mean over ranks that sent
             a coefficient). seed: shared seed of the random transform.
         momentum_domain: 'param' (default; the reference's arithmetic, M has the parameter's
-            shape) or 'transform': M is kept as its chunk coefficients T(M) ([chunks, h*w],
-            float32), which is the same algorithm since T is linear and fixed, but saves the
-            inverse transform of the sent part and the forward transform of M each step (the
-            gradient is transformed instead). Needs transform 'dct' or 'identity'.
+            shape) or 'transform': M is kept as its chunk coefficients T(M) (float32, in image
+            layout: the padded matrix [R, C] with coefficient (u, v) of chunk (a, b) at
+            [a*h + u, b*w + v]), which is the same algorithm since T is linear and fixed, but
+            saves the inverse transform of the sent part and the forward transform of M each
+            step (the gradient is transformed instead, and the decay folds into that GEMM).
+            Needs transform 'dct' or 'identity'.
         nonfinite: 'raise' (default) or 'skip' when any rank's gradients are not finite; in
             both cases no parameter moves that step, on any rank, and healthy ranks keep the
             step's gradient in their momentum (to be sent later).
@@ -111,6 +113,7 @@ class DeMo(CommunicatingOptimizer):
         self._init_comm(process_group)
         self._compressors: dict[tuple, ChunkedTopK] = {}
         self._send: torch.Tensor | None = None   # reused message buffer
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None   # reused transform scratch
 
     def add_param_group(self, param_group: dict) -> None:
         _check_group({**self.defaults, **param_group})
@@ -173,39 +176,55 @@ class DeMo(CommunicatingOptimizer):
             if not state:
                 state["step"] = 0
                 if group["momentum_domain"] == "transform":
-                    plan = comp.plan(p.shape)                   # coefficients, chunk-major, padding included
-                    state["momentum"] = torch.zeros(plan.num_chunks, plan.chunk_elems, device=p.device)
+                    plan = comp.plan(p.shape)                   # coefficients in image layout, padding included
+                    state["momentum"] = torch.zeros(plan.padded_rows, plan.padded_cols, device=p.device)
                 else:
                     state["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1
         return self.state[entries[0][1]]["step"]
 
+    def _scratch(self, entries) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two flat float32 buffers, each the size of the largest padded parameter, kept
+        across steps: the transforms' intermediates go there instead of fresh tensors."""
+        numel = max(comp.plan(p.shape).padded_numel for _, p, comp, *_ in entries)
+        device = entries[0][1].device
+        if self._buffers is None or self._buffers[0].numel() < numel or self._buffers[0].device != device:
+            self._buffers = tuple(torch.empty(numel, device=device) for _ in range(2))
+        return self._buffers
+
     def _encode(self, entries, step: int) -> None:
         """M ← βM + ηg, then write each parameter's top-k payload into the message buffer."""
+        a, b = self._scratch(entries)
         for group, p, comp, offset, n in entries:
-            m, out = self.state[p]["momentum"], self._send[offset: offset + n]
-            m.mul_(group["beta"])
+            m, plan, out = self.state[p]["momentum"], comp.plan(p.shape), self._send[offset: offset + n]
+            beta, lr = group["beta"], group["lr"]
             if group["momentum_domain"] == "transform":     # T is linear: T(βM + ηg) = βT(M) + ηT(g)
-                if p.grad is not None:
-                    m.add_(comp.coefficients(p.grad, step), alpha=group["lr"])
-                comp.encode_coefficients(m, p.shape, out=out)
+                if p.grad is None:
+                    m.mul_(beta)
+                else:                                       # one batched GEMM does the decay and the add
+                    comp.transform.forward_image(plan.padded_matrix(p.grad, a), plan, step, out=m, scratch=b,
+                                                 beta=beta, alpha=lr)
+                comp.write(comp.select(m, p.shape, scratch=a), p.shape, out=out)
                 continue
+            m.mul_(beta)
             if p.grad is not None:
-                m.add_(p.grad, alpha=group["lr"])
-            comp.encode(m, step, out=out)
+                m.add_(p.grad, alpha=lr)
+            image = comp.transform.forward_image(plan.padded_matrix(m, a), plan, step, out=plan.matrix_in(a), scratch=b)
+            comp.write(comp.select(image, p.shape, scratch=b), p.shape, out=out)
 
     def _apply(self, entries, gathered: torch.Tensor, step: int) -> None:
+        a, b = self._scratch(entries)
         for group, p, comp, offset, n in entries:
             spec = comp.payload_spec(p.shape)
             reads = [comp.read(Payload.from_buffer(gathered[r, offset: offset + n], spec), p.shape)
                      for r in range(gathered.shape[0])]                       # validated, rank order
             # M ← M − α·(what the wire delivered of this rank's message)
-            m, (idx, vals) = self.state[p]["momentum"], reads[self.comm.rank]
+            m, own = self.state[p]["momentum"], reads[self.comm.rank]
             if group["momentum_domain"] == "transform":
-                m.scatter_add_(1, idx, vals.mul(-group["alpha"]))          # sparse: no transform needed
+                comp.scatter(m, own, p.shape, alpha=-group["alpha"])       # sparse: no transform needed
             else:
-                comp.subtract_decoded(m, (idx, vals), group["alpha"], step)
-            delta = comp.aggregate(reads, p.shape, step, group["aggregate"])
+                m.sub_(comp.aggregate([own], p.shape, step, out=a, scratch=b), alpha=group["alpha"])
+            delta = comp.aggregate(reads, p.shape, step, group["aggregate"], out=a, scratch=b)
             if group["weight_decay"]:
                 p.mul_(1.0 - group["lr"] * group["weight_decay"])
             apply_base(p, delta, group["lr"], group["base"])
