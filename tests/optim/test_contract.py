@@ -25,7 +25,7 @@ CONFIGS = {
     "demo-fp32": {"kind": "demo", "kwargs": {**DEMO, "values": "fp32"}},
     "demo-int8": {"kind": "demo", "kwargs": {**DEMO, "values": "int8"}},
     "demo-sign": {"kind": "demo", "kwargs": {**DEMO, "values": "sign"}},
-    "demo-transform-domain": {"kind": "demo", "kwargs": {**DEMO, "momentum_domain": "transform"}},
+    "demo-param-domain": {"kind": "demo", "kwargs": {**DEMO, "momentum_domain": "param"}},
     "demo-senders-alpha": {"kind": "demo", "kwargs": {**DEMO, "aggregate": "senders", "alpha": 0.5}},
     "dense-adamw": {"kind": "dense-adamw"},
     "dense-sgd-bf16": {"kind": "dense-sgd", "kwargs": {"grad_dtype": torch.bfloat16}},

@@ -29,28 +29,41 @@ def test_bad_param_group_raises():
         opt.add_param_group({"params": [_param()], "topk": -3})
 
 
-def test_state_is_one_momentum_buffer_per_parameter():
-    p = _param((96, 128))
-    opt = thinwire.DeMo([p], lr=0.01)
+@pytest.mark.parametrize("domain, transform, shape", [
+    ("param", "dct", (96, 128)), ("auto", "random", (96, 128)),          # M shaped like the parameter
+    ("auto", "dct", (96, 128)), ("transform", "identity", (96, 128)),    # M = T(M) in image layout
+    ("auto", "dct", (130, 100)),                                         # padded: 130 -> 192 rows
+])
+def test_state_is_one_momentum_buffer_per_parameter(domain, transform, shape):
+    p = _param(shape)
+    opt = thinwire.DeMo([p], lr=0.01, momentum_domain=domain, transform=transform)
     p.grad = torch.randn_like(p)
     opt.step()
     tensors = {k: v for k, v in opt.state[p].items() if torch.is_tensor(v)}
-    assert list(tensors) == ["momentum"] and tensors["momentum"].shape == p.shape
+    in_param_shape = domain == "param" or transform == "random"
+    # 96 = 2 x 48, 128 = 2 x 64: no padding; 130 has no divisor in [32, 64]: 3 x 64; 100 = 2 x 50
+    padded = {(96, 128): (96, 128), (130, 100): (192, 100)}[shape]
+    assert list(tensors) == ["momentum"]
+    assert tensors["momentum"].shape == (p.shape if in_param_shape else padded)
 
 
 @pytest.mark.parametrize("values", ["fp32", "bf16", "int8", "sign"])
-def test_error_feedback_keeps_what_was_not_delivered(values):
+@pytest.mark.parametrize("domain, transform", [("param", "dct"), ("transform", "identity")])
+def test_error_feedback_keeps_what_was_not_delivered(values, domain, transform):
     """After a step, momentum == beta*m + lr*g - (what the wire delivered): nothing is lost,
     value quantisation included. Checked with alpha=1 and one worker, where the delivered
-    tensor is exactly the update direction before sign()."""
+    tensor is exactly the update direction before sign(). (With the identity transform the
+    transform-domain momentum is the parameter-shaped one: 64 x 128 needs no padding.)"""
     torch.manual_seed(1)
     p = _param((64, 128))
-    opt = thinwire.DeMo([p], lr=0.5, beta=0.9, topk=16, values=values, base="sgd")
+    opt = thinwire.DeMo([p], lr=0.5, beta=0.9, topk=16, values=values, base="sgd", transform=transform,
+                        momentum_domain=domain)
     p.grad = torch.randn_like(p)
     before = p.detach().clone()
     opt.step()
     delivered = before - p.detach()              # base='sgd': p -= delivered
     m = opt.state[p]["momentum"]
+    assert m.shape == p.shape
     assert torch.allclose(m + delivered, 0.5 * p.grad, atol=1e-5)
     assert delivered.abs().sum() > 0
 
@@ -84,4 +97,4 @@ def test_nonfinite_gradient_raises_and_leaves_params_untouched():
     with pytest.raises(thinwire.NonFiniteGradientError):
         opt.step()
     assert torch.equal(p.detach(), before)
-    assert torch.equal(opt.state[p]["momentum"], torch.zeros_like(p))
+    assert not opt.state[p]["momentum"].any()

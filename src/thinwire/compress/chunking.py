@@ -96,8 +96,20 @@ class ChunkPlan:
         m = x.reshape(self.rows, self.cols)
         if not self.padded and m.dtype == torch.float32 and m.is_contiguous():
             return m
+        return self._padded_copy(m, buf)
+
+    def transform_input(self, x: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
+        """What `ChunkTransform.forward_image` takes: like `padded_matrix`, but a float32
+        contiguous x whose plan pads only rows stays a view [rows, padded_cols] (the
+        transform treats the missing rows as zeros), saving a copy of the whole tensor."""
+        m = x.reshape(self.rows, self.cols)
+        if self.cols == self.padded_cols and m.dtype == torch.float32 and m.is_contiguous():
+            return m
+        return self._padded_copy(m, buf)
+
+    def _padded_copy(self, m: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
         if buf is None:
-            buf = torch.empty(self.padded_numel, dtype=torch.float32, device=x.device)
+            buf = torch.empty(self.padded_numel, dtype=torch.float32, device=m.device)
         out = self.matrix_in(buf)
         out[: self.rows, : self.cols].copy_(m)
         out[: self.rows, self.cols:].zero_()

@@ -117,14 +117,14 @@ class ChunkedTopK:
         """[*shape] -> [num_chunks, h*w] transform coefficients (float32), chunk-major."""
         plan = self.plan(x.shape)
         (gr, gc), h, w = plan.grid, plan.chunk_rows, plan.chunk_cols
-        image = self.transform.forward_image(plan.padded_matrix(x), plan, step)
+        image = self.transform.forward_image(plan.transform_input(x), plan, step)
         return image.view(gr, h, gc, w).permute(0, 2, 1, 3).reshape(plan.num_chunks, h * w)
 
     def encode(self, x: torch.Tensor, step: int = 0, out: torch.Tensor | None = None,
                scratch: torch.Tensor | None = None) -> Payload:
         """Top-k coefficients of every chunk of x; written into `out` (flat uint8) if given."""
         plan = self.plan(x.shape)
-        image = self.transform.forward_image(plan.padded_matrix(x), plan, step, scratch=scratch)
+        image = self.transform.forward_image(plan.transform_input(x), plan, step, scratch=scratch)
         return self.write(self.select(image, x.shape, scratch), x.shape, out)
 
     def read(self, payload: Payload, shape) -> Read:

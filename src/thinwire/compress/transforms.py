@@ -66,19 +66,22 @@ class ChunkTransform:
 
     def forward_image(self, x: torch.Tensor, plan: ChunkPlan, step: int = 0, *, out: torch.Tensor | None = None,
                       scratch: torch.Tensor | None = None, beta: float = 0.0, alpha: float = 1.0) -> torch.Tensor:
-        """out ← β·out + α·T(x): x the padded float32 matrix [R, C], out its coefficients in
-        image layout [R, C] (allocated when None; with β = 0 its old content is ignored).
-        `out` may be x itself; `scratch` (flat float32, >= R*C) holds the intermediate."""
+        """out ← β·out + α·T(x): x the padded float32 matrix [R, C] (or its first rows, when
+        the plan pads only rows: the rest count as zeros), out its coefficients in image
+        layout [R, C] (allocated when None; with β = 0 its old content is ignored). `out`
+        may be x itself; `scratch` (flat float32, >= R*C) holds the intermediate."""
         (gr, gc), h, w = plan.grid, plan.chunk_rows, plan.chunk_cols
         rows, cols = plan.padded_rows, plan.padded_cols
         ph, pw = self.basis(h, step, x.device), self.basis(w, step, x.device)
         if out is None:
             out, beta = torch.empty(rows, cols, device=x.device), 0.0
         t = _matrix(scratch, rows * gc, w, x.device)
+        given = x.shape[0] * gc                                            # rows of t that x fills
         if pw is not None:
-            torch.mm(x.view(rows * gc, w), pw.T, out=t)                  # X P_wᵀ: [R*gc, w] @ [w, w]
+            torch.mm(x.view(given, w), pw.T, out=t[:given])                # X P_wᵀ: [R*gc, w] @ [w, w]
         else:
-            t.copy_(x.view(rows * gc, w))
+            t[:given].copy_(x.view(given, w))
+        t[given:].zero_()
         if ph is not None:
             # out[a] ← β out[a] + α P_h (X P_wᵀ)[a]: [h, h] @ [h, C] for each of the gr row blocks
             out.view(gr, h, cols).baddbmm_(ph.expand(gr, h, h), t.view(gr, h, cols), beta=beta, alpha=alpha)

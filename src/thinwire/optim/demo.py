@@ -36,7 +36,7 @@ from .protocol import (HEADER_NBYTES, FLAG_NONFINITE, NonFiniteGradientError, al
 
 BASES = ("signum", "sgd", "muon")
 VALUES = ("fp32", "bf16", "int8", "sign")
-DOMAINS = ("param", "transform")
+DOMAINS = ("auto", "param", "transform")
 _WIRE_KEYS = ("topk", "chunk", "transform", "values", "seed", "aggregate", "base", "momentum_domain")
 
 
@@ -60,6 +60,12 @@ def _check_group(g: dict) -> None:
         raise ValueError("momentum_domain='transform' needs a fixed basis: transform must be 'dct' or 'identity'")
     if not g["weight_decay"] >= 0.0:
         raise ValueError(f"weight_decay must be >= 0, got {g['weight_decay']}")
+
+
+def momentum_in_transform(group: dict) -> bool:
+    """Whether the group keeps M as transform coefficients (momentum_domain, 'auto' resolved)."""
+    domain = group["momentum_domain"]
+    return domain == "transform" or (domain == "auto" and group["transform"] != "random")
 
 
 def apply_base(p: torch.Tensor, delta: torch.Tensor, lr: float, base: str) -> None:
@@ -86,8 +92,9 @@ class DeMo(CommunicatingOptimizer):
         weight_decay: decoupled λ. values: wire precision — 'fp32' | 'bf16' | 'int8' | 'sign'.
         aggregate: 'mean' over ranks, or 'senders' (the reference's mean over ranks that sent
             a coefficient). seed: shared seed of the random transform.
-        momentum_domain: 'param' (default; the reference's arithmetic, M has the parameter's
-            shape) or 'transform': M is kept as its chunk coefficients T(M) (float32, in image
+        momentum_domain: 'auto' (default: 'transform' for the fixed bases 'dct' and
+            'identity', 'param' for 'random'), 'param' (the reference's arithmetic, M has the
+            parameter's shape and dtype) or 'transform': M is kept as its chunk coefficients T(M) (float32, in image
             layout: the padded matrix [R, C] with coefficient (u, v) of chunk (a, b) at
             [a*h + u, b*w + v]), which is the same algorithm since T is linear and fixed, but
             saves the inverse transform of the sent part and the forward transform of M each
@@ -102,7 +109,7 @@ class DeMo(CommunicatingOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, beta: float = 0.999, alpha: float = 1.0, topk: int = 32,
                  chunk: int = 64, transform: str = "dct", base: str = "signum", weight_decay: float = 0.0,
-                 values: str = "bf16", aggregate: str = "mean", momentum_domain: str = "param", seed: int = 0,
+                 values: str = "bf16", aggregate: str = "mean", momentum_domain: str = "auto", seed: int = 0,
                  nonfinite: str = "raise", process_group=None):
         self.nonfinite = check_nonfinite_policy(nonfinite)
         defaults = dict(lr=lr, beta=beta, alpha=alpha, topk=topk, chunk=chunk, transform=transform, base=base,
@@ -175,7 +182,7 @@ class DeMo(CommunicatingOptimizer):
             state = self.state[p]
             if not state:
                 state["step"] = 0
-                if group["momentum_domain"] == "transform":
+                if momentum_in_transform(group):
                     plan = comp.plan(p.shape)                   # coefficients in image layout, padding included
                     state["momentum"] = torch.zeros(plan.padded_rows, plan.padded_cols, device=p.device)
                 else:
@@ -198,18 +205,18 @@ class DeMo(CommunicatingOptimizer):
         for group, p, comp, offset, n in entries:
             m, plan, out = self.state[p]["momentum"], comp.plan(p.shape), self._send[offset: offset + n]
             beta, lr = group["beta"], group["lr"]
-            if group["momentum_domain"] == "transform":     # T is linear: T(βM + ηg) = βT(M) + ηT(g)
+            if momentum_in_transform(group):                # T is linear: T(βM + ηg) = βT(M) + ηT(g)
                 if p.grad is None:
                     m.mul_(beta)
                 else:                                       # one batched GEMM does the decay and the add
-                    comp.transform.forward_image(plan.padded_matrix(p.grad, a), plan, step, out=m, scratch=b,
+                    comp.transform.forward_image(plan.transform_input(p.grad, a), plan, step, out=m, scratch=b,
                                                  beta=beta, alpha=lr)
                 comp.write(comp.select(m, p.shape, scratch=a), p.shape, out=out)
                 continue
             m.mul_(beta)
             if p.grad is not None:
                 m.add_(p.grad, alpha=lr)
-            image = comp.transform.forward_image(plan.padded_matrix(m, a), plan, step, out=plan.matrix_in(a), scratch=b)
+            image = comp.transform.forward_image(plan.transform_input(m, a), plan, step, out=plan.matrix_in(a), scratch=b)
             comp.write(comp.select(image, p.shape, scratch=b), p.shape, out=out)
 
     def _apply(self, entries, gathered: torch.Tensor, step: int) -> None:
@@ -220,7 +227,7 @@ class DeMo(CommunicatingOptimizer):
                      for r in range(gathered.shape[0])]                       # validated, rank order
             # M ← M − α·(what the wire delivered of this rank's message)
             m, own = self.state[p]["momentum"], reads[self.comm.rank]
-            if group["momentum_domain"] == "transform":
+            if momentum_in_transform(group):
                 comp.scatter(m, own, p.shape, alpha=-group["alpha"])       # sparse: no transform needed
             else:
                 m.sub_(comp.aggregate([own], p.shape, step, out=a, scratch=b), alpha=group["alpha"])
