@@ -6,8 +6,9 @@ against dense Adam. Prints markdown tables.
     python benchmarks/apmsqueeze_bench.py converge [--workers 4] [--steps 300] [--warmup-frac 0.2]
 
 bytes: per rank and step from the wire format (the formulas the tests check against the
-communicator's counts): phase 1 all_to_all W·(8 + 4) + N/8, phase 2 all_gather 4 + N/(8W),
-N = parameters padded to a multiple of 8W; dense: one all-reduce of 4n (fp32) or 2n (bf16).
+communicator's counts): phase 1 all_to_all of W chunks of 8 + 4 + N/(8W) bytes, of which
+the W−1 bound for peers are handed over, phase 2 all_gather 4 + N/(8W), N = parameters
+padded to a multiple of 8W; dense: one all-reduce of 4n (fp32) or 2n (bf16).
 "payload" is what the communicator counts as this rank's message (both phases); "link" is
 what a rank sends under ring / pairwise algorithms (comm/links.py), the fair comparison
 with a ring all-reduce, which itself moves 2n(W−1)/W per rank.
@@ -41,8 +42,8 @@ from thinwire.train.launch import launch
 def step_bytes(numel: int, world: int) -> dict:
     n = padded_numel(numel, world)
     c = n // world
-    p1, p2 = world * 12 + n // 8, 4 + c // 8
-    return {"payload": p1 + p2, "link": p1 * (world - 1) // world + p2 * (world - 1),
+    p1, p2 = world * 12 + n // 8, 4 + c // 8                 # phase 1 whole buffer, phase 2
+    return {"payload": p1 * (world - 1) // world + p2, "link": p1 * (world - 1) // world + p2 * (world - 1),
             "fp32": 4 * numel, "fp32_link": 2 * 4 * numel * (world - 1) // world}
 
 
@@ -70,7 +71,7 @@ class Loopback:
     def __init__(self, world: int):
         self.world_size, self.rank, self.stats = world, 0, CommStats()
 
-    def all_to_all(self, buf, tag="payload"):
+    def all_to_all(self, buf, tag="payload", send_own=True):
         return buf.view(self.world_size, -1).clone()
 
     def all_gather(self, buf, tag="payload"):

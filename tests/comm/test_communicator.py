@@ -21,6 +21,7 @@ def _exercise(rank, world):
     # all_to_all: part j of rank r holds 10*r + j.
     parts = torch.arange(world, dtype=torch.int32).repeat_interleave(3) + 10 * rank
     out["all_to_all"] = comm.all_to_all(parts).clone()
+    out["all_to_all_own_kept"] = comm.all_to_all(parts, send_own=False, async_op=True).wait().clone()
     out["gather"] = comm.gather(torch.full((2,), rank + 100, dtype=torch.int64), dst=world - 1)
     b = torch.full((4,), float(rank))
     out["broadcast"] = comm.broadcast(b, src=world - 1).clone()
@@ -37,6 +38,7 @@ def test_collectives_and_accounting(world):
         assert torch.equal(out["all_gather"], torch.arange(world, dtype=torch.uint8)[:, None].expand(world, 5))
         expected_a2a = torch.tensor([[10 * src + rank] * 3 for src in range(world)], dtype=torch.int32)
         assert torch.equal(out["all_to_all"], expected_a2a)
+        assert torch.equal(out["all_to_all_own_kept"], expected_a2a)
         if rank == world - 1:
             assert torch.equal(out["gather"], (torch.arange(world) + 100)[:, None].expand(world, 2))
         else:
@@ -45,13 +47,15 @@ def test_collectives_and_accounting(world):
 
         root = rank == world - 1
         calls = [("all_reduce", 24, False), ("all_reduce", 1, False), ("all_gather", 5, False),
-                 ("all_to_all", 12 * world, False), ("gather", 16, root), ("broadcast", 16, root)]
+                 ("all_to_all", 12 * world, False), ("all_to_all", 12 * world, False), ("gather", 16, root),
+                 ("broadcast", 16, root)]
         sent = sum(link_bytes(op, n, world, is_root=r)[0] for op, n, r in calls)
         received = sum(link_bytes(op, n, world, is_root=r)[1] for op, n, r in calls)
-        payload = 24 + 1 + 5 + 12 * world + 16 + (16 if root else 0)
+        # send_own=False hands torch.distributed only the 12 (W - 1) bytes bound for peers
+        payload = 24 + 1 + 5 + 12 * world + 12 * (world - 1) + 16 + (16 if root else 0)
         totals = out["stats"]["totals"]
         assert totals == {"payload_bytes": payload, "link_bytes_sent": sent,
-                          "link_bytes_received": received, "collectives": 6}
+                          "link_bytes_received": received, "collectives": 7}
         assert out["stats"]["by_tag"]["control"]["payload_bytes"] == 1
 
 

@@ -105,7 +105,8 @@ def test_allreduce_bytes_equal_packed_sizes(outcome):
     for r in results:
         for got in r["allreduce"]:
             assert [buf.numel() for buf, _ in got["log"]] == [phase1, phase2]
-            assert got["after"]["payload_bytes"] - got["before"]["payload_bytes"] == phase1 + phase2
+            own_kept = phase1 // world                                   # its own chunk is not handed over
+            assert got["after"]["payload_bytes"] - got["before"]["payload_bytes"] == phase1 - own_kept + phase2
             sent = phase1 * (world - 1) // world + phase2 * (world - 1)
             assert got["after"]["link_bytes_sent"] - got["before"]["link_bytes_sent"] == sent
 
@@ -167,7 +168,8 @@ def _expected_step(world: int, numel: int, compressed: bool) -> dict:
     c = math.ceil(numel / (8 * world)) * 8                           # chunk: N / W, N padded to 8W
     phase1, phase2 = world * (8 + 4 + c // 8), 4 + c // 8             # all_to_all, all_gather
     link = phase1 * (world - 1) // world + phase2 * (world - 1)
-    return {"payload_bytes": phase1 + phase2, "link_bytes_sent": link, "link_bytes_received": link,
+    handed = (world - 1) * (8 + 4 + c // 8) + phase2                  # phase 1 keeps the own chunk local
+    return {"payload_bytes": handed, "link_bytes_sent": link, "link_bytes_received": link,
             "collectives": 2}
 
 

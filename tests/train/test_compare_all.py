@@ -58,7 +58,8 @@ def test_apmsqueeze_dense_warmup_then_one_bit(run):
     assert apm[0]["payload_bytes"] == dense + HANDSHAKE
     assert all(s["payload_bytes"] == dense and s["collectives"] == 1 for s in apm[1:WARMUP])
     n, w = padded_numel(N_PARAMS, 2), 2
-    one_bit = w * (HANDSHAKE + 4) + n // 8 + 4 + n // (8 * w)       # all_to_all of signs, all_gather of chunks
+    # all_to_all of the signs bound for the peer (the own chunk stays local), all_gather of chunks
+    one_bit = (w - 1) * (HANDSHAKE + 4 + n // (8 * w)) + 4 + n // (8 * w)
     assert all(s["payload_bytes"] == one_bit and s["collectives"] == 2 for s in apm[WARMUP:])
     # on the wire 1/32 of fp32 per phase, two phases vs the ring all-reduce's two passes
     dense_link = steps["adam"][-1]["link_bytes_sent"]

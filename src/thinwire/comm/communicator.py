@@ -28,6 +28,21 @@ class Pending:
         return self._result
 
 
+class _Assemble:
+    """Completes an all_to_all that kept the own part local: on wait, the W−1 rows that
+    arrived go around the own row, into their source ranks' rows of the result."""
+
+    def __init__(self, work, out: torch.Tensor, arrived: torch.Tensor, rank: int):
+        self._work, self._out, self._arrived, self._rank = work, out, arrived, rank
+
+    def wait(self):
+        self._work.wait()
+        r = self._rank
+        self._out[:r].copy_(self._arrived[:r])
+        self._out[r + 1:].copy_(self._arrived[r:])
+        return True
+
+
 def _all_gather_single():
     # torch >= 2.10 renamed all_gather_into_tensor; keep working on both.
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -87,19 +102,37 @@ class Communicator:
         work = _all_gather_single()(out.view(-1), buf, group=self.group, async_op=True)
         return self._finish(work, out, async_op)
 
-    def all_to_all(self, buf: torch.Tensor, *, tag: str = "payload", async_op: bool = False):
+    def all_to_all(self, buf: torch.Tensor, *, tag: str = "payload", send_own: bool = True, async_op: bool = False):
         """Split `buf` into world_size equal parts; part j goes to rank j. Returns what arrived,
-        as [world_size, part] in source-rank order."""
+        as [world_size, part] in source-rank order.
+
+        send_own=False keeps this rank's own part out of the collective (a zero-size split;
+        the row comes back by a local copy), so only the W−1 parts bound for peers are handed
+        to torch.distributed and counted as payload; link bytes are the same either way."""
         self._flat(buf)
-        if buf.numel() % self.world_size:
-            raise ValueError(f"buf length {buf.numel()} is not a multiple of world size {self.world_size}")
-        out = torch.empty(self.world_size, buf.numel() // self.world_size, dtype=buf.dtype, device=buf.device)
-        self._record("all_to_all", tag, buf.nbytes, buf.nbytes)
+        w = self.world_size
+        if buf.numel() % w:
+            raise ValueError(f"buf length {buf.numel()} is not a multiple of world size {w}")
+        parts = buf.view(w, -1)
+        out = torch.empty_like(parts)
+        if send_own:
+            handed, others = buf, None
+        else:
+            others = torch.cat([parts[: self.rank], parts[self.rank + 1:]])     # [W - 1, part]
+            handed = others.view(-1)
+            out[self.rank].copy_(parts[self.rank])
+        self._record("all_to_all", tag, buf.nbytes, handed.nbytes)
         if not self.distributed:
-            out.view(-1).copy_(buf)
+            if send_own:
+                out.copy_(parts)
             return self._finish(None, out, async_op)
-        work = dist.all_to_all_single(out.view(-1), buf, group=self.group, async_op=True)
-        return self._finish(work, out, async_op)
+        if send_own:
+            work = dist.all_to_all_single(out.view(-1), buf, group=self.group, async_op=True)
+            return self._finish(work, out, async_op)
+        splits = [0 if r == self.rank else parts.shape[1] for r in range(w)]
+        arrived = torch.empty_like(others)
+        work = dist.all_to_all_single(arrived.view(-1), handed, splits, splits, group=self.group, async_op=True)
+        return self._finish(_Assemble(work, out, arrived, self.rank), out, async_op)
 
     def gather(self, buf: torch.Tensor, *, dst: int = 0, tag: str = "payload", async_op: bool = False):
         """Every rank's `buf` at rank `dst` as [world_size, numel]; None on other ranks."""

@@ -8,6 +8,7 @@ cut into W chunks of c = N / W elements; chunk j belongs to "server" rank j.
         per chunk j:  s_ij = ||y_j||_2 / sqrt(c),  ŷ_j = s_ij sign(y_j)
                       e_w ← y − ŷ                              what compression lost
         chunk j (header | s_ij | c/8 bytes of packed signs) goes to rank j: one all_to_all
+                      (rank i's own chunk i stays local: it is not handed to the collective)
     server, rank j:   z = (Σ_i ŷ_ij) / W  (summed in rank order) + e_s      e_s: server error [c]
                       s_j = ||z||_2 / sqrt(c),  ẑ = s_j sign(z),  e_s ← z − ẑ
     phase 2:          (s_j | c/8 bytes of signs of z) from every rank: one all_gather;
@@ -26,8 +27,11 @@ exactly input − (what every receiver decodes). Buffers are reused through an o
 `workspace` dict, since on CPU fresh multi-MB tensors cost more in page faults than the
 arithmetic done in them.
 
-Bytes per rank and step: phase 1 W·(H + 4) + N/8, phase 2 4 + N/(8W), with H the header
-length (8 for APMSqueeze's protocol header, 0 without): ≈ 1/32 of fp32 per phase.
+Payload bytes per rank and step: phase 1 (W−1)·(H + 4 + N/(8W)) (the chunks bound for
+peers), phase 2 4 + N/(8W), with H the header length (8 for APMSqueeze's protocol header, 0
+without): N/8 + W·(H + 4) − H in all, 1 bit per element as the 1-bit Adam paper counts it,
+≈ 1/32 of the fp32 gradient. Link bytes per rank (comm/links.py): phase 1 as much, phase 2
+(W−1)·(4 + N/(8W)), ≈ 1/32 of what a ring all-reduce of fp32 sends.
 """
 
 from __future__ import annotations
@@ -136,7 +140,7 @@ def compressed_allreduce(comm: Communicator, x: torch.Tensor, worker_error: torc
     send, scales = sign_message(y, h, workspace, "send1")
     if h:
         send[:, :h] = header
-    received = comm.all_to_all(send.view(-1), tag=tag)                 # [W, H + 4 + c/8], from rank i
+    received = comm.all_to_all(send.view(-1), tag=tag, send_own=False)  # [W, H + 4 + c/8], from rank i
     if check is not None:
         check(received[:, :h])
     y_hat = decode_signs(scales, send[:, h + SCALE_NBYTES:], out=_buf(workspace, "decoded", (w, c), torch.float32, dev))
