@@ -98,3 +98,18 @@ def test_nonfinite_gradient_raises_and_leaves_params_untouched():
         opt.step()
     assert torch.equal(p.detach(), before)
     assert not opt.state[p]["momentum"].any()
+
+
+def test_momentum_in_another_layout_is_rejected_on_the_next_step():
+    """load_state_dict restores the saved group settings; a momentum that does not fit the
+    group's layout (a group changed after loading, or an older chunk-major checkpoint)
+    must raise, not be misread."""
+    p = _param((64, 130))                                   # transform-domain M is padded to 64 x 192
+    opt = thinwire.DeMo([p], momentum_domain="param")
+    p.grad = torch.randn_like(p)
+    opt.step()
+    opt.param_groups[0]["momentum_domain"] = "transform"
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="momentum of a \\(64, 130\\) parameter has shape"):
+        opt.step()
+    assert torch.equal(p.detach(), before)

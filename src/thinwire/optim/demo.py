@@ -14,8 +14,9 @@ the reference implementation bloc97/DeMo):
     θ ← θ − Δ                                        φ = identity (sgd): η is already inside M
 
 With transform='dct', alpha=1, base='signum', values='fp32' and one worker this is the
-reference's arithmetic step for step. Differences from the reference, each for a reason:
-the aggregate averages over all ranks (aggregate='senders' gives the reference's
+reference's arithmetic step for step (momentum_domain='param' operation by operation; the
+default keeps T(M) instead, which agrees to float rounding). Differences from the
+reference, each for a reason: the aggregate averages over all ranks (aggregate='senders' gives the reference's
 mean-over-senders); a dimension with no divisor in [chunk/2, chunk] is zero-padded rather
 than chunked by 1; indices travel bit-packed and values in `values` precision; all
 parameters share one all-gather; the momentum lives in `self.state[p]['momentum']`.
@@ -68,6 +69,17 @@ def momentum_in_transform(group: dict) -> bool:
     return domain == "transform" or (domain == "auto" and group["transform"] != "random")
 
 
+def _check_momentum(m: torch.Tensor, p: torch.Tensor, comp: ChunkedTopK, group: dict) -> None:
+    """A loaded momentum must have this group's layout: a state_dict from another
+    momentum_domain or chunk size would otherwise be misread, not rejected."""
+    plan = comp.plan(p.shape)
+    expected = (plan.padded_rows, plan.padded_cols) if momentum_in_transform(group) else tuple(p.shape)
+    if tuple(m.shape) != expected:
+        raise ValueError(f"momentum of a {tuple(p.shape)} parameter has shape {tuple(m.shape)}, expected "
+                         f"{expected} for momentum_domain={group['momentum_domain']!r}, chunk={group['chunk']}: "
+                         "was the state_dict saved with other settings?")
+
+
 def apply_base(p: torch.Tensor, delta: torch.Tensor, lr: float, base: str) -> None:
     """θ ← θ − η φ(Δ) (or θ ← θ − Δ for sgd, whose momentum already carries η)."""
     if base == "sgd":
@@ -94,12 +106,12 @@ class DeMo(CommunicatingOptimizer):
             a coefficient). seed: shared seed of the random transform.
         momentum_domain: 'auto' (default: 'transform' for the fixed bases 'dct' and
             'identity', 'param' for 'random'), 'param' (the reference's arithmetic, M has the
-            parameter's shape and dtype) or 'transform': M is kept as its chunk coefficients T(M) (float32, in image
-            layout: the padded matrix [R, C] with coefficient (u, v) of chunk (a, b) at
-            [a*h + u, b*w + v]), which is the same algorithm since T is linear and fixed, but
-            saves the inverse transform of the sent part and the forward transform of M each
-            step (the gradient is transformed instead, and the decay folds into that GEMM).
-            Needs transform 'dct' or 'identity'.
+            parameter's shape and dtype) or 'transform': M is kept as its chunk coefficients
+            T(M) (float32, in image layout: the padded matrix [R, C] with coefficient (u, v)
+            of chunk (a, b) at [a*h + u, b*w + v]), which is the same algorithm since T is
+            linear and fixed, but saves the inverse transform of the sent part and the
+            forward transform of M each step (the gradient is transformed instead, and the
+            decay folds into that GEMM). Needs transform 'dct' or 'identity'.
         nonfinite: 'raise' (default) or 'skip' when any rank's gradients are not finite; in
             both cases no parameter moves that step, on any rank, and healthy ranks keep the
             step's gradient in their momentum (to be sent later).
@@ -187,6 +199,7 @@ class DeMo(CommunicatingOptimizer):
                     state["momentum"] = torch.zeros(plan.padded_rows, plan.padded_cols, device=p.device)
                 else:
                     state["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            _check_momentum(state["momentum"], p, comp, group)
             state["step"] += 1
         return self.state[entries[0][1]]["step"]
 
