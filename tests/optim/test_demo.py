@@ -113,3 +113,29 @@ def test_momentum_in_another_layout_is_rejected_on_the_next_step():
     with pytest.raises(ValueError, match="momentum of a \\(64, 130\\) parameter has shape"):
         opt.step()
     assert torch.equal(p.detach(), before)
+
+
+@pytest.mark.parametrize("values", ["fp32", "int8"])
+def test_transform_domain_follows_the_param_domain_on_padded_shapes(values):
+    """T is linear, so keeping T(M) is the param-domain algorithm, provided the padding the
+    param domain crops away is dropped in the transform domain too (zero_padding_)."""
+    torch.manual_seed(2)
+    shapes = [(37, 24), (10, 37), (130,), (20, 23)]        # chunk 16: rows, cols, both padded
+    runs = {}
+    for domain in ("param", "transform"):
+        params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)))
+                  for i, s in enumerate(shapes)]
+        opt = thinwire.DeMo(params, lr=0.01, beta=0.9, topk=5, chunk=16, values=values, momentum_domain=domain)
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(15):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        runs[domain] = (params, opt)
+    for (p, q) in zip(runs["param"][0], runs["transform"][0]):
+        assert torch.allclose(p, q, rtol=0, atol=1e-6)
+        plan = runs["transform"][1].compressor(runs["transform"][1].param_groups[0]).plan(p.shape)
+        m_param = runs["param"][1].state[p]["momentum"]
+        m_image = runs["transform"][1].state[q]["momentum"].clone()
+        back = thinwire.compress.ChunkTransform("dct").inverse_image(m_image, plan)
+        assert torch.allclose(back, plan.padded_matrix(m_param), atol=1e-5)   # padding holds nothing

@@ -112,3 +112,22 @@ class ChunkTransform:
         else:
             coeffs.view(rows * gc, w).copy_(t)
         return coeffs
+
+    def zero_padding_(self, image: torch.Tensor, plan: ChunkPlan, step: int = 0) -> torch.Tensor:
+        """In place: image ← T(P·T⁻¹(image)), P zeroing the plan's padding, so the image holds
+        coefficients of a matrix that is zero where the tensor has no elements (as a
+        transformed zero-padded tensor always is). Only the last block row and block column
+        of chunks overlap the padding; only they are transformed. Returns `image`."""
+        (gr, gc), h, w = plan.grid, plan.chunk_rows, plan.chunk_cols
+        rows, cols = plan.padded_rows, plan.padded_cols
+        if plan.padded_rows > plan.rows:              # last block row: [h, C], contiguous
+            strip = ChunkPlan(plan.shape, h, cols, h, w, h, cols)
+            block = image[rows - h:]
+            self.inverse_image(block, strip, step)[plan.rows - (rows - h):].zero_()
+            self.forward_image(block, strip, step, out=block)
+        if plan.padded_cols > plan.cols:              # last block column: [R, w], strided
+            strip = ChunkPlan(plan.shape, rows, w, h, w, rows, w)
+            block = image[:, cols - w:].contiguous()
+            self.inverse_image(block, strip, step)[:, plan.cols - (cols - w):].zero_()
+            image[:, cols - w:] = self.forward_image(block, strip, step)
+        return image

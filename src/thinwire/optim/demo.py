@@ -242,6 +242,9 @@ class DeMo(CommunicatingOptimizer):
             m, own = self.state[p]["momentum"], reads[self.comm.rank]
             if momentum_in_transform(group):
                 comp.scatter(m, own, p.shape, alpha=-group["alpha"])       # sparse: no transform needed
+                plan = comp.plan(p.shape)
+                if plan.padded:   # what the message puts in the padding is dropped, as the param domain crops it
+                    comp.transform.zero_padding_(m, plan, step)
             else:
                 m.sub_(comp.aggregate([own], p.shape, step, out=a, scratch=b), alpha=group["alpha"])
             delta = comp.aggregate(reads, p.shape, step, group["aggregate"], out=a, scratch=b)
