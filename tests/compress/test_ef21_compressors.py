@@ -75,13 +75,37 @@ def test_wire_sizes_follow_the_documented_formats():
         math.ceil(25 * 16 * 6 / 8) + 25 * 4 + 25 * 16)
 
 
-def test_topk_keeps_exactly_the_largest_entries():
+@pytest.mark.parametrize("ratio, k", [(0.05, 50), (0.3, 300)])     # bit-packed indices, bitmap
+def test_topk_keeps_exactly_the_largest_entries(ratio, k):
     x = torch.randn(40, 25, generator=torch.Generator().manual_seed(2))
-    y, _ = roundtrip(parse_compressor("topk:0.05"), x)
+    y, _ = roundtrip(parse_compressor(f"topk:{ratio}"), x)
     order = x.abs().flatten().argsort(descending=True)
     expected = torch.zeros(1000)
-    expected[order[:50]] = x.flatten()[order[:50]]
+    expected[order[:k]] = x.flatten()[order[:k]]
     assert torch.equal(y.flatten(), expected)
+
+
+def test_topk_positions_travel_as_a_bitmap_when_that_is_smaller():
+    d = 40 * 25                                                       # 10-bit indices
+    # K = 300: 300 x 10 bits = 375 bytes of indices > a 125-byte bitmap
+    assert parse_compressor("topk:0.3+int8").payload_nbytes((40, 25)) == d // 8 + 4 + 300
+    # K = 100: 125 bytes either way: indices stay bit-packed (the bitmap only when smaller)
+    comp = parse_compressor("topk:0.1+int8")
+    assert comp.payload_nbytes((40, 25)) == math.ceil(100 * 10 / 8) + 4 + 100 and not comp.bitmap((40, 25))
+    # the bitmap's bits are the kept positions, least significant bit first within a byte
+    x = torch.randn(40, 25, generator=torch.Generator().manual_seed(4))
+    _, out = roundtrip(parse_compressor("topk:0.3"), x)
+    bits = torch.tensor([(int(out[i // 8]) >> (i % 8)) & 1 for i in range(d)], dtype=torch.bool)
+    assert torch.equal(bits, x.abs().flatten() >= x.abs().flatten().sort(descending=True).values[299])
+
+
+def test_bitmap_with_the_wrong_number_of_positions_is_rejected():
+    comp = parse_compressor("topk:0.3")
+    _, out = roundtrip(comp, torch.randn(40, 25))
+    flipped = out.clone()
+    flipped[:125] = 0xFF                                              # every position marked
+    with pytest.raises(ValueError, match="bitmap marks 1000 positions, expected 300"):
+        comp.decode(flipped, (40, 25))
 
 
 def test_randk_indices_come_from_the_seed_and_values_are_unscaled():

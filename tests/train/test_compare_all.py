@@ -67,8 +67,9 @@ def test_apmsqueeze_dense_warmup_then_one_bit(run):
 
 
 def test_ef21_muon_uplink_over_7x_smaller_than_dense_muon(run):
-    """Default uplink top-15 % in int8: 1 byte per value plus bit-packed indices (12-15 bits
-    for these tensors) on 15 % of the elements, about 10x fewer bytes than fp32."""
+    """Default uplink top-15 % in int8: 1 byte per kept value (15 % of the elements) plus a
+    bitmap of positions (1 bit per element, smaller than 12-15-bit indices at 15 %), about
+    14x fewer bytes than fp32."""
     _, steps, _ = run
     muon, ef21 = steps["muon"][-1]["payload_bytes"], steps["ef21-muon"][-1]["payload_bytes"]
     assert muon == 4 * N_PARAMS

@@ -126,14 +126,24 @@ class _Sparse(EF21Compressor):
 class TopK(_Sparse):
     """The K largest-magnitude entries; contractive, alpha = K / d (deterministic bound).
 
-    Wire: K indices of index_width(d) bits each (`pack_bits`, in topk's order), then the K
-    values in the value stage.
+    Wire: where the K entries sit, then their K values in the value stage. The positions
+    take whichever form is smaller for (K, d), known to both sides from the shape: K
+    indices of index_width(d) bits each (`pack_bits`, values in topk's order), or a d-bit
+    bitmap (values in ascending position order), which wins once K / d exceeds about
+    1 / index_width(d) (top 15 % of a 256 x 1024 matrix: 0.125 bytes per element instead
+    of 0.34).
     """
 
     kind = "topk"
 
+    def bitmap(self, shape) -> bool:
+        """Whether the positions travel as a bitmap (see the class docstring)."""
+        n, k = _numel(shape), self.k(shape)
+        return packed_nbytes(n, 1) < packed_nbytes(k, index_width(n))
+
     def _index_nbytes(self, shape) -> int:
-        return packed_nbytes(self.k(shape), index_width(_numel(shape)))
+        n = _numel(shape)
+        return packed_nbytes(n, 1) if self.bitmap(shape) else packed_nbytes(self.k(shape), index_width(n))
 
     def payload_nbytes(self, shape) -> int:
         return self._index_nbytes(shape) + self.values.nbytes(self.k(shape))
@@ -141,14 +151,24 @@ class TopK(_Sparse):
     def encode(self, x: torch.Tensor, out: torch.Tensor, seed: int = 0) -> None:
         flat, cut = x.reshape(-1), self._index_nbytes(x.shape)
         idx = flat.abs().topk(self.k(x.shape), sorted=False).indices
-        pack_bits(idx, index_width(flat.numel()), out=out[:cut])
+        if self.bitmap(x.shape):
+            mask = torch.zeros(flat.numel(), dtype=torch.uint8, device=flat.device).index_fill_(0, idx, 1)
+            pack_bits(mask, 1, out=out[:cut])
+            idx = mask.nonzero().view(-1)                                # ascending positions
+        else:
+            pack_bits(idx, index_width(flat.numel()), out=out[:cut])
         self.values.encode(flat[idx], out[cut:], seed)
 
     def decode(self, buf: torch.Tensor, shape, seed: int = 0) -> torch.Tensor:
         n, k, cut = _numel(shape), self.k(shape), self._index_nbytes(shape)
-        idx = unpack_bits(buf[:cut], index_width(n), k)
-        if int(idx.max()) >= n:
-            raise ValueError(f"malformed payload: index {int(idx.max())} out of range for {n} values")
+        if self.bitmap(shape):
+            idx = unpack_bits(buf[:cut], 1, n).nonzero().view(-1)
+            if idx.numel() != k:
+                raise ValueError(f"malformed payload: bitmap marks {idx.numel()} positions, expected {k}")
+        else:
+            idx = unpack_bits(buf[:cut], index_width(n), k)
+            if int(idx.max()) >= n:
+                raise ValueError(f"malformed payload: index {int(idx.max())} out of range for {n} values")
         return self._scatter(idx, self.values.decode(buf[cut:], k), shape)
 
 
