@@ -35,7 +35,7 @@ class TrainConfig:
     values: str = "bf16"         # DeMo: wire precision of kept coefficients (fp32, bf16, int8, sign)
     rank: int = 4                # PowerSGD: approximation rank
     compressed_after: float = 0.2  # APMSqueeze: fraction of steps of dense Adam warmup before 1-bit momentum
-    uplink: str = "topk:0.15+int8"  # EF21-Muon: uplink compressor spec (replicated topology, no downlink)
+    uplink: str = "topk:0.44+int8"  # EF21-Muon: uplink compressor spec (replicated topology, no downlink)
     sync_every: int = 32         # LoRDO and DiLoCo: local steps between synchronisations
     lowrank: int = 0             # LoRDO: rank r of the projection (0: min(256, n_embd / 4))
 

@@ -160,7 +160,7 @@ register(OptimizerSpec("demo", _demo, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3
 register(OptimizerSpec("apmsqueeze", _apmsqueeze, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3},
                        description="APMSqueeze (Adam warmup, then 1-bit momentum)", counterpart="adam"))
 register(OptimizerSpec("ef21-muon", _ef21_muon, {"tiny": 1e-2, "small": 1.2e-1, "base": 1.2e-1},
-                       description="EF21-Muon (replicated, uplink top-15% int8)", counterpart="muon"))
+                       description="EF21-Muon (replicated, uplink top-44% int8)", counterpart="muon"))
 register(OptimizerSpec("lordo", _lordo, {"tiny": 3e-3, "small": 5e-3, "base": 5e-3},
                        description="LoRDO (low-rank Adam, sync every 32)"))
 register(OptimizerSpec("diloco", _diloco, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3},
