@@ -341,5 +341,6 @@ def test_compressor_objects_are_accepted():
     assert (opt.uplink.name, opt.downlink.name) == ("topk:0.25+natural", "dct-topk:4:4+int8")
     p.grad = torch.randn_like(p)
     opt.step()
-    # 16 of 64 values: 6-bit indices (12 bytes) + 2 sign bytes + 16 exponent bytes, and the header
-    assert opt.comm_stats.by_tag["payload"].payload_bytes == 8 + 12 + 2 + 16
+    # 16 of 64 values: a 64-bit bitmap (8 bytes < 16 6-bit indices, 12 bytes) + 2 sign bytes
+    # + 16 exponent bytes, and the header
+    assert opt.comm_stats.by_tag["payload"].payload_bytes == 8 + 8 + 2 + 16
