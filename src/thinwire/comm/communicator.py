@@ -110,29 +110,33 @@ class Communicator:
         the row comes back by a local copy), so only the W−1 parts bound for peers are handed
         to torch.distributed and counted as payload; link bytes are the same either way."""
         self._flat(buf)
-        w = self.world_size
-        if buf.numel() % w:
-            raise ValueError(f"buf length {buf.numel()} is not a multiple of world size {w}")
-        parts = buf.view(w, -1)
+        if buf.numel() % self.world_size:
+            raise ValueError(f"buf length {buf.numel()} is not a multiple of world size {self.world_size}")
+        parts = buf.view(self.world_size, -1)
+        if not send_own:
+            return self._all_to_all_peers(parts, tag, async_op)
         out = torch.empty_like(parts)
-        if send_own:
-            handed, others = buf, None
-        else:
-            others = torch.cat([parts[: self.rank], parts[self.rank + 1:]])     # [W - 1, part]
-            handed = others.view(-1)
-            out[self.rank].copy_(parts[self.rank])
-        self._record("all_to_all", tag, buf.nbytes, handed.nbytes)
+        self._record("all_to_all", tag, buf.nbytes, buf.nbytes)
         if not self.distributed:
-            if send_own:
-                out.copy_(parts)
+            out.copy_(parts)
             return self._finish(None, out, async_op)
-        if send_own:
-            work = dist.all_to_all_single(out.view(-1), buf, group=self.group, async_op=True)
-            return self._finish(work, out, async_op)
-        splits = [0 if r == self.rank else parts.shape[1] for r in range(w)]
+        work = dist.all_to_all_single(out.view(-1), buf, group=self.group, async_op=True)
+        return self._finish(work, out, async_op)
+
+    def _all_to_all_peers(self, parts: torch.Tensor, tag: str, async_op: bool):
+        """all_to_all of parts [W, part] with the own row kept local (a zero split)."""
+        r = self.rank
+        out = torch.empty_like(parts)
+        out[r].copy_(parts[r])
+        others = torch.cat([parts[:r], parts[r + 1:]])                     # [W - 1, part]
+        self._record("all_to_all", tag, parts.nbytes, others.nbytes)
+        if not self.distributed:
+            return self._finish(None, out, async_op)
+        splits = [0 if j == r else parts.shape[1] for j in range(self.world_size)]
         arrived = torch.empty_like(others)
-        work = dist.all_to_all_single(arrived.view(-1), handed, splits, splits, group=self.group, async_op=True)
-        return self._finish(_Assemble(work, out, arrived, self.rank), out, async_op)
+        work = dist.all_to_all_single(arrived.view(-1), others.view(-1), splits, splits, group=self.group,
+                                      async_op=True)
+        return self._finish(_Assemble(work, out, arrived, r), out, async_op)
 
     def gather(self, buf: torch.Tensor, *, dst: int = 0, tag: str = "payload", async_op: bool = False):
         """Every rank's `buf` at rank `dst` as [world_size, numel]; None on other ranks."""
