@@ -102,10 +102,11 @@ class ChunkPlan:
         """What `ChunkTransform.forward_image` takes: like `padded_matrix`, but a float32
         contiguous x whose plan pads only rows stays a view [rows, padded_cols] (the
         transform treats the missing rows as zeros), saving a copy of the whole tensor."""
-        m = x.reshape(self.rows, self.cols)
-        if self.cols == self.padded_cols and m.dtype == torch.float32 and m.is_contiguous():
-            return m
-        return self._padded_copy(m, buf)
+        if self.cols == self.padded_cols and self.rows < self.padded_rows:
+            m = x.reshape(self.rows, self.cols)
+            if m.dtype == torch.float32 and m.is_contiguous():
+                return m
+        return self.padded_matrix(x, buf)
 
     def _padded_copy(self, m: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
         if buf is None:

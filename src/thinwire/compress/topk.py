@@ -89,7 +89,7 @@ class ChunkedTopK:
         (gr, gc), h, w = plan.grid, plan.chunk_rows, plan.chunk_cols
         if scratch is None:
             scratch = torch.empty(plan.padded_numel, device=image.device)
-        magnitude = scratch[: plan.padded_numel].view(gr, gc, h, w)
+        magnitude = plan.matrix_in(scratch).view(gr, gc, h, w)
         # [R, C] -> [gr, h, gc, w] -> [gr, gc, h, w]: |coefficients| chunk-major, one strided pass
         torch.abs(image.view(gr, h, gc, w).permute(0, 2, 1, 3), out=magnitude)
         idx = magnitude.view(plan.num_chunks, h * w).topk(k, dim=-1, sorted=False).indices
@@ -151,9 +151,8 @@ class ChunkedTopK:
         if mode not in AGGREGATIONS:
             raise ValueError(f"mode must be one of {AGGREGATIONS}, got {mode!r}")
         plan = self.plan(shape)
-        device = reads[0][1].device
         if out is None:
-            out = torch.empty(plan.padded_numel, device=device)
+            out = torch.empty(plan.padded_numel, device=reads[0][1].device)
         image = plan.matrix_in(out).zero_()
         for read in reads:  # rank order: a fixed summation order on every rank
             self.scatter(image, read, shape)
