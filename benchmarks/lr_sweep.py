@@ -19,7 +19,7 @@ from thinwire.train.run import compare
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="small")
-    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--workers", type=int, help="default: the preset's (4; wan: 2)")
     ap.add_argument("--optimizers", default="adamw,demo,powersgd")
     ap.add_argument("--lrs", default="1e-3,3e-3,1e-2")
     ap.add_argument("--steps", type=int)
@@ -30,7 +30,7 @@ def main() -> None:
         key, value = item.split("=")
         overrides[key] = _number(value)
     cfg = get_preset(args.preset, steps=args.steps, **overrides)
-    print(f"preset {cfg.name}, {args.workers} workers, {cfg.steps} steps, overrides {overrides or 'none'}\n")
+    print(f"preset {cfg.name}, {args.workers or cfg.workers} workers, {cfg.steps} steps, overrides {overrides or 'none'}\n")
     print("| optimizer | lr | final val loss | best val loss | payload MB/step/worker |")
     print("|---|---|---|---|---|")
     for name in args.optimizers.split(","):

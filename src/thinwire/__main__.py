@@ -9,7 +9,7 @@ import argparse
 import sys
 
 DEFAULT_COMPARE = "adamw,powersgd,demo"
-_OVERRIDES = ("n_layer", "n_embd", "n_head", "context", "vocab_size", "rows", "steps", "eval_every",
+_OVERRIDES = ("workers", "n_layer", "n_embd", "n_head", "context", "vocab_size", "rows", "steps", "eval_every",
               "eval_rows", "seed", "lr", "topk", "alpha", "beta", "rank", "values", "compressed_after", "uplink",
               "sync_every", "lowrank")
 _FLOATS, _STRINGS = ("lr", "alpha", "beta", "compressed_after"), ("values", "uplink")
@@ -17,8 +17,8 @@ _FLOATS, _STRINGS = ("lr", "alpha", "beta", "compressed_after"), ("values", "upl
 
 def _run_args(p: argparse.ArgumentParser) -> None:
     from .train.config import FIELD_HELP
-    p.add_argument("--preset", default="small", help="tiny (smoke test), small (default), base")
-    p.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
+    p.add_argument("--preset", default="small",
+                   help="tiny (smoke test), small (default), base (longer), wan (link-bound: 2 workers)")
     p.add_argument("--out", help="directory for <optimizer>.jsonl logs, summary.json, table.md, plots")
     p.add_argument("--data", help="text file, directory of text files, or .bin of uint16 ids "
                                   "(default: the Python standard library's source)")
@@ -62,7 +62,7 @@ def _train_or_compare(args) -> None:
     names = [args.optimizer.lower()] if args.command == "train" else [n.strip().lower() for n in args.optimizers.split(",")
                                                               if n.strip()]
     latency = parse_time(args.latency) if args.latency else None
-    compare(cfg, names, workers=args.workers, out_dir=args.out, link=args.link, latency_s=latency,
+    compare(cfg, names, workers=cfg.workers, out_dir=args.out, link=args.link, latency_s=latency,
             target=args.target, data=args.data, quiet=args.quiet)
 
 

@@ -105,6 +105,8 @@ def test_demo_sends_over_100x_less(run):
     (["--preset", "huge"], "unknown preset 'huge'"),
     (["--data", "/nonexistent/thinwire"], "does not exist"),
     (["--workers", "40"], "40 workers but only 16 batch rows"),
+    (["--rows", "3"], "4 workers but only 3 batch rows"),                   # tiny's own worker count
+    (["--preset", "wan", "--rows", "1"], "2 workers but only 1 batch rows"),  # wan's: 2
     (["--uplink", "topk:2"], "uplink='topk:2'"),
     (["--compressed-after", "1.5"], "compressed_after must be in"),
 ])

@@ -14,7 +14,7 @@ from thinwire.train.worker import lr_factor
 
 
 def test_presets_and_overrides():
-    assert set(PRESETS) == {"tiny", "small", "base"}
+    assert set(PRESETS) == {"tiny", "small", "base", "wan"}
     cfg = get_preset("tiny", steps=7, lr=None)
     assert cfg.steps == 7 and cfg.n_embd == PRESETS["tiny"].n_embd
     with pytest.raises(ValueError, match="unknown preset"):
@@ -23,6 +23,23 @@ def test_presets_and_overrides():
         get_preset("tiny", n_head=3)
     with pytest.raises(ValueError, match="rows"):
         get_preset("tiny", rows=0)
+
+
+def test_wan_preset_is_link_bound_at_100mbit():
+    """The wan preset's point: AdamW's dense fp32 ring all-reduce over 100 Mbit/s must dwarf its
+    compute. Forward + backward cost ~6 flops per parameter and token; a 2-core CPU does well
+    under 100 GFLOP/s, so compute per step is under 6 * n * tokens / 1e11 seconds."""
+    cfg = get_preset("wan")
+    assert cfg.workers == 2 and cfg.rows % cfg.workers == 0
+    n = sum(p.numel() for p in build_model(cfg).parameters())
+    ring_bytes = 2 * 4 * n * (cfg.workers - 1) / cfg.workers        # fp32, each way per worker
+    link_s = 8 * ring_bytes / 100e6
+    tokens_per_worker = cfg.rows // cfg.workers * cfg.context
+    compute_bound_s = 6 * n * tokens_per_worker / 1e11
+    assert link_s > 20 * compute_bound_s
+    assert get_preset("wan", workers=3).workers == 3
+    with pytest.raises(ValueError, match="workers"):
+        get_preset("wan", workers=0)
 
 
 def test_parse_link():

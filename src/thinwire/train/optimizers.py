@@ -147,16 +147,18 @@ def _powersgd(model, cfg, lr):
 
 # Default learning rates: the `small` values come from the sweep in docs/harness.md
 # (benchmarks/lr_sweep.py, 4 workers, 300 steps); `tiny` (60 steps) uses a higher rate for its
-# short schedule and `base` the small preset's, both unswept.
-register(OptimizerSpec("adamw", _adamw, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3}, dense=True,
+# short schedule and `base` the small preset's, both unswept. `wan` (one window per worker
+# and step) was swept for AdamW and DeMo (docs/harness.md); Adam and PowerSGD's inner AdamW
+# take AdamW's rate there, unswept; the others fall back to their `small` rate.
+register(OptimizerSpec("adamw", _adamw, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 3e-4}, dense=True,
                        description="dense fp32 all-reduce + AdamW"))
-register(OptimizerSpec("adam", _adam, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3}, dense=True,
+register(OptimizerSpec("adam", _adam, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 3e-4}, dense=True,
                        description="dense fp32 all-reduce + Adam", counterpart="adam"))
 register(OptimizerSpec("muon", _muon, {"tiny": 3e-3, "small": 1e-2, "base": 1e-2}, dense=True,
                        description="dense fp32 all-reduce + Muon (AdamW for non-matrices)", counterpart="muon"))
-register(OptimizerSpec("powersgd", _powersgd, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3},
+register(OptimizerSpec("powersgd", _powersgd, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 3e-4},
                        description="PyTorch DDP PowerSGD hook (rank 4) + AdamW"))
-register(OptimizerSpec("demo", _demo, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3},
+register(OptimizerSpec("demo", _demo, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 4e-4},
                        description="DeMo (DCT top-k, signum)"))
 register(OptimizerSpec("apmsqueeze", _apmsqueeze, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3},
                        description="APMSqueeze (Adam warmup, then 1-bit momentum)", counterpart="adam"))

@@ -56,10 +56,12 @@ def _link_context(link: str | None, workers: int):
     return EmulatedLink(workers, rate, delay), {"spec": link, "rate_bps": rate, "delay_s": delay}
 
 
-def compare(cfg: TrainConfig, optimizers: list[str], workers: int = 4, out_dir: str | None = None,
+def compare(cfg: TrainConfig, optimizers: list[str], workers: int | None = None, out_dir: str | None = None,
             link: str | None = None, latency_s: float | None = None, target: float | None = None,
             data: str | None = None, quiet: bool = False, lrs: dict[str, float] | None = None,
             show: bool = True) -> list[dict]:
+    """Run each optimizer on `workers` processes (default: the preset's `cfg.workers`); the rows."""
+    workers = cfg.workers if workers is None else workers
     check_run(cfg, optimizers, workers, data)
     out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="thinwire-"))
     out.mkdir(parents=True, exist_ok=True)
