@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-from thinwire.ops import NS_COEFFICIENTS, NS_EPS, NS_STEPS, muon_scale, orthogonalize, random_orthogonal
+from thinwire.ops import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, largest_indices, muon_scale, orthogonalize,
+                          random_orthogonal)
 
 
 @pytest.mark.parametrize("shape", [(16, 16), (32, 8), (8, 40)])
@@ -34,3 +35,31 @@ def test_random_orthogonal_is_orthogonal_and_seeded():
 def test_bad_shape_raises():
     with pytest.raises(ValueError, match="2-D"):
         orthogonalize(torch.randn(3))
+
+
+def _kth_largest_sorted(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Reference: the k largest values of each row by a full descending sort."""
+    return x.sort(dim=-1, descending=True).values[:, :k]
+
+
+@pytest.mark.parametrize("k", [1, 7, 58])
+def test_largest_indices_pick_the_k_largest_values(k):
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(9, 300, generator=g).abs()
+    x[0, :20] = 0.0                                            # ties at zero
+    x[1, 5], x[2, 7], x[3, 0] = float("inf"), float("nan"), 1e-40   # inf, NaN, a subnormal
+    x[4] = torch.finfo(torch.float32).max * torch.rand(300, generator=g)
+    idx = largest_indices(x, k)
+    assert idx.shape == (9, k) and idx.dtype == torch.int64
+    assert all(len(set(row.tolist())) == k for row in idx)     # k distinct positions per row
+    picked = x.gather(-1, idx).sort(dim=-1, descending=True).values
+    expected = _kth_largest_sorted(x, k)
+    assert torch.equal(picked.isnan(), expected.isnan())
+    assert torch.equal(picked.nan_to_num(), expected.nan_to_num())
+
+
+def test_largest_indices_non_float32_and_strided_inputs_match_topk():
+    x = torch.rand(6, 50, dtype=torch.float64)
+    assert set(largest_indices(x, 5)[2].tolist()) == set(x[2].topk(5).indices.tolist())
+    strided = torch.rand(50, 6).t()                             # not contiguous: the float path
+    assert set(largest_indices(strided, 5)[3].tolist()) == set(strided[3].topk(5).indices.tolist())

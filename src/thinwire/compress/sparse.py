@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from ..ops.select import largest_indices
 from ..wire import index_width, pack_bits, packed_nbytes, unpack_bits
 from .natural import generator, get_value_stage
 
@@ -150,7 +151,7 @@ class TopK(_Sparse):
 
     def encode(self, x: torch.Tensor, out: torch.Tensor, seed: int = 0) -> None:
         flat, cut = x.reshape(-1), self._index_nbytes(x.shape)
-        idx = flat.abs().topk(self.k(x.shape), sorted=False).indices
+        idx = largest_indices(flat.abs(), self.k(x.shape))
         if self.bitmap(x.shape):
             mask = torch.zeros(flat.numel(), dtype=torch.uint8, device=flat.device).index_fill_(0, idx, 1)
             pack_bits(mask, 1, out=out[:cut])

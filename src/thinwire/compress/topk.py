@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from ..ops.select import largest_indices
 from ..wire import get_codec, index_width, pack_bits, packed_nbytes, unpack_bits
 from .chunking import ChunkPlan
 from .payload import Payload, PayloadSpec
@@ -92,7 +93,7 @@ class ChunkedTopK:
         magnitude = plan.matrix_in(scratch).view(gr, gc, h, w)
         # [R, C] -> [gr, h, gc, w] -> [gr, gc, h, w]: |coefficients| chunk-major, one strided pass
         torch.abs(image.view(gr, h, gc, w).permute(0, 2, 1, 3), out=magnitude)
-        idx = magnitude.view(plan.num_chunks, h * w).topk(k, dim=-1, sorted=False).indices
+        idx = largest_indices(magnitude.view(plan.num_chunks, h * w), k)
         return idx, image.view(-1)[self.positions(plan, idx)]
 
     def write(self, read: Read, shape, out: torch.Tensor | None = None) -> Payload:
