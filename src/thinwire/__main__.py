@@ -10,8 +10,8 @@ import sys
 
 DEFAULT_COMPARE = "adamw,powersgd,demo"
 _OVERRIDES = ("workers", "n_layer", "n_embd", "n_head", "context", "vocab_size", "rows", "steps", "eval_every",
-              "eval_rows", "seed", "lr", "topk", "alpha", "beta", "rank", "values", "compressed_after", "uplink",
-              "sync_every", "lowrank")
+              "eval_rows", "seed", "lr", "topk", "chunk", "alpha", "beta", "rank", "values", "compressed_after",
+              "uplink", "sync_every", "lowrank")
 _FLOATS, _STRINGS = ("lr", "alpha", "beta", "compressed_after"), ("values", "uplink")
 
 

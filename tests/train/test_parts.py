@@ -42,6 +42,19 @@ def test_wan_preset_is_link_bound_at_100mbit():
         get_preset("wan", workers=0)
 
 
+def test_demo_chunk_and_topk_reach_the_optimizer():
+    cfg = get_preset("tiny", chunk=32, topk=15)
+    opt = get_optimizer("demo").build(build_model(cfg), cfg, 1e-3).optimizer
+    group = opt.param_groups[0]
+    assert (group["chunk"], group["topk"], group["values"]) == (32, 15, cfg.values)
+    plan = opt.compressor(group).plan((4 * cfg.n_embd, cfg.n_embd))     # MLP fc: [256, 64]
+    assert (plan.chunk_rows, plan.chunk_cols) == (32, 32)
+    assert (PRESETS["wan"].chunk, PRESETS["small"].chunk) == (32, 64)
+    for field in ("chunk", "topk"):
+        with pytest.raises(ValueError, match=field):
+            get_preset("small", **{field: 0})
+
+
 def test_parse_link():
     assert parse_link("100mbit") == (100e6, 0.0)
     assert parse_link("1gbit,20ms") == (1e9, 0.02)

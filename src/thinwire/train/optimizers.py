@@ -88,8 +88,8 @@ def _muon(model, cfg, lr):
 
 
 def _demo(model, cfg, lr):
-    return _wrap(DeMo(model.parameters(), lr=lr, topk=cfg.topk, alpha=cfg.alpha, beta=cfg.beta,
-                      values=cfg.values, weight_decay=0.0), model)
+    return _wrap(DeMo(model.parameters(), lr=lr, topk=cfg.topk, chunk=cfg.chunk, alpha=cfg.alpha,
+                      beta=cfg.beta, values=cfg.values, weight_decay=0.0), model)
 
 
 def _apmsqueeze(model, cfg, lr):
