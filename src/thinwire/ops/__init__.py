@@ -5,5 +5,5 @@ from .newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, muon_scale, orthog
 from .orthogonal import random_orthogonal
 from .select import largest_indices
 
-__all__ = ["NS_COEFFICIENTS", "NS_EPS", "NS_STEPS", "dct_matrix", "largest_indices", "muon_scale", "orthogonalize",
-           "random_orthogonal"]
+__all__ = ["NS_COEFFICIENTS", "NS_EPS", "NS_STEPS", "dct_matrix", "largest_indices", "muon_scale",
+           "orthogonalize", "random_orthogonal"]
