@@ -77,7 +77,7 @@ PRESETS = {
                         eval_every=50, eval_rows=512),
     # Link-bound on 2 CPU cores: 3.7M parameters, one 64-token window per worker and step, so
     # AdamW's dense fp32 all-reduce (14.7 MB/step) takes ~26x its compute at 100 Mbit/s.
-    # DeMo on 32x32 chunks (top 15 of 1024, the density of top 58 of 4096): the same loss
+    # DeMo on 32x32 chunks (top 15 of 1024, about the density of top 58 of 4096): the same loss
     # there at half the DCT flops, and DeMo's compute is what its time to target is made of.
     "wan": TrainConfig(name="wan", workers=2, n_layer=2, n_embd=384, n_head=6, rows=2, steps=600,
                        topk=15, chunk=32, values="int8"),
