@@ -1,83 +1,11 @@
-"""Command line: `thinwire train`, `thinwire compare`, `thinwire quickrun`.
-
-Imports nothing heavy at import time (torch is imported by the command that runs).
-"""
+"""`thinwire ...` and `python -m thinwire ...`: the command line, which lives in
+`thinwire.train.cli` (this entry point only calls it)."""
 
 from __future__ import annotations
 
-import argparse
-import sys
+from .train.cli import main
 
-DEFAULT_COMPARE = "adamw,powersgd,demo"
-_OVERRIDES = ("workers", "n_layer", "n_embd", "n_head", "context", "vocab_size", "rows", "steps", "eval_every",
-              "eval_rows", "seed", "lr", "topk", "chunk", "alpha", "beta", "rank", "values", "compressed_after",
-              "uplink", "sync_every", "lowrank")
-_FLOATS, _STRINGS = ("lr", "alpha", "beta", "compressed_after"), ("values", "uplink")
-
-
-def _run_args(p: argparse.ArgumentParser) -> None:
-    from .train.config import FIELD_HELP
-    p.add_argument("--preset", default="small",
-                   help="tiny (smoke test), small (default), base (longer), wan (link-bound: 2 workers)")
-    p.add_argument("--out", help="directory for <optimizer>.jsonl logs, summary.json, table.md, plots")
-    p.add_argument("--data", help="text file, directory of text files, or .bin of uint16 ids "
-                                  "(default: the Python standard library's source)")
-    p.add_argument("--link", help="emulate a slow link, e.g. 100mbit or 100mbit,20ms (root + iproute2)")
-    p.add_argument("--latency", help="per-collective latency for modelled time (default 1ms, or the --link delay)")
-    p.add_argument("--target", type=float, help="target validation loss (default: dense baseline's final x 1.02)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    for name in _OVERRIDES:
-        kind = float if name in _FLOATS else str if name in _STRINGS else int
-        p.add_argument("--" + name.replace("_", "-"), type=kind, help=FIELD_HELP[name] + " (overrides the preset)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="thinwire", description="Data-parallel training over slow links.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a small GPT on N gloo workers with one optimizer")
-    train.add_argument("--optimizer", default="demo", help="adamw, adam, muon, powersgd, demo, apmsqueeze, ef21-muon, lordo, diloco")
-    _run_args(train)
-    comp = sub.add_parser("compare", help="train with several optimizers; print loss, bytes and time table")
-    comp.add_argument("--optimizers", default=DEFAULT_COMPARE, help=f"comma-separated, from: adamw, adam, muon, powersgd, demo, "
-                      f"apmsqueeze, ef21-muon, lordo, diloco (default {DEFAULT_COMPARE})")
-    _run_args(comp)
-    quick = sub.add_parser("quickrun", help="short DeMo run on N gloo worker processes; prints loss and bytes")
-    quick.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    quick.add_argument("--steps", type=int, default=60, help="optimizer steps (default 60)")
-    quick.add_argument("--rows", type=int, default=64, help="global batch rows, split across workers")
-    quick.add_argument("--lr", type=float, default=3e-3, help="DeMo learning rate")
-    quick.add_argument("--topk", type=int, default=16, help="DCT coefficients kept per 64x64 chunk")
-    return parser
-
-
-def config_from_args(args):
-    from .train.config import get_preset
-    return get_preset(args.preset, **{name: getattr(args, name) for name in _OVERRIDES})
-
-
-def _train_or_compare(args) -> None:
-    from .train.config import parse_time
-    from .train.run import compare
-    cfg = config_from_args(args)
-    names = [args.optimizer.lower()] if args.command == "train" else [n.strip().lower() for n in args.optimizers.split(",")
-                                                              if n.strip()]
-    latency = parse_time(args.latency) if args.latency else None
-    compare(cfg, names, workers=cfg.workers, out_dir=args.out, link=args.link, latency_s=latency,
-            target=args.target, data=args.data, quiet=args.quiet)
-
-
-def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
-    if args.command == "quickrun":
-        from .train.quickrun import run
-        run(workers=args.workers, steps=args.steps, rows=args.rows, lr=args.lr, topk=args.topk)
-        return
-    try:
-        _train_or_compare(args)
-    except ValueError as err:          # user errors: one clear line, no traceback
-        print(f"thinwire: error: {err}", file=sys.stderr)
-        sys.exit(2)
-
+__all__ = ["main"]
 
 if __name__ == "__main__":
     main()

@@ -85,3 +85,98 @@ def test_bad_buffers_raise():
         comm.all_reduce(torch.zeros(2), op="min")
     with pytest.raises(ValueError, match="dst"):
         comm.gather(torch.zeros(2), dst=3)
+
+
+# ---- the blocked-time observer (Communicator.set_blocked_observer) ----------------------------
+
+DELAY = 0.5          # rank 1 starts some collectives this late, so rank 0 must block for about as long
+
+
+class _NoClock:
+    """Stands in for communicator.py's `time`: reading the clock fails the test."""
+
+    def perf_counter(self):
+        raise AssertionError("the communicator read the clock with no observer set")
+
+
+def _observed(rank, world):
+    import time
+
+    import thinwire.comm.communicator as communicator
+    assert Communicator.set_blocked_observer(None) is None                  # unset by default
+    real_time, communicator.time = communicator.time, _NoClock()
+    try:
+        unobserved = _exercise(rank, world)                                  # unset: no clock read at all
+    finally:
+        communicator.time = real_time
+
+    calls = []
+    assert Communicator.set_blocked_observer(lambda op, s: calls.append((op, s))) is None
+    observed = _exercise(rank, world)
+    n_exercise = len(calls)
+
+    comm = Communicator()
+    mark = len(calls)
+    if rank == 1:
+        time.sleep(DELAY)
+    comm.all_reduce(torch.ones(3))                                           # synchronous: rank 0 waits here
+    sync_late = calls[mark:]
+    mark = len(calls)
+    if rank == 1:
+        time.sleep(DELAY)
+    pending = comm.all_gather(torch.ones(3), async_op=True)
+    issued = calls[mark:]
+    pending.wait()
+    pending.wait()                                                           # a second wait reports nothing
+    async_late = calls[mark:]
+    mark = len(calls)
+    if rank == 1:
+        time.sleep(DELAY)
+    comm.all_to_all(torch.arange(4.0), send_own=False, async_op=True).wait()  # the _Assemble path
+    assemble_late = calls[mark:]
+
+    previous = Communicator.set_blocked_observer(None)
+    mark = len(calls)
+    comm.all_reduce(torch.ones(3))
+    return {"unobserved": unobserved, "observed": observed, "calls": calls[:n_exercise], "sync": sync_late,
+            "issued": issued, "async": async_late, "assemble": assemble_late, "after_unset": calls[mark:],
+            "previous_was_set": previous is not None}
+
+
+def _same(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+def test_blocked_observer_sees_each_collective_on_gloo():
+    for rank, out in enumerate(run_workers(_observed, 2)):
+        assert _same(out["unobserved"], out["observed"])                       # observing changes no result
+        # _exercise: 5 synchronous collectives (one report each) and 2 async ones (issue + wait)
+        assert [op for op, _ in out["calls"]] == [
+            "all_reduce", "all_reduce", "all_gather", "all_gather", "all_to_all", "all_to_all", "all_to_all",
+            "gather", "broadcast"]
+        assert all(s >= 0 for _, s in out["calls"])
+        assert [op for op, _ in out["sync"]] == ["all_reduce"]
+        assert [op for op, _ in out["issued"]] == ["all_gather"]
+        assert [op for op, _ in out["async"]] == ["all_gather", "all_gather"]
+        assert [op for op, _ in out["assemble"]] == ["all_to_all", "all_to_all"]
+        assert out["after_unset"] == [] and out["previous_was_set"]
+        if rank == 0:                                      # rank 0 blocked until the late rank 1 arrived
+            assert out["sync"][0][1] >= DELAY / 2
+            assert out["async"][1][1] >= DELAY / 2          # ... in Pending.wait()
+            assert out["assemble"][1][1] >= DELAY / 2       # ... in Pending.wait() -> _Assemble.wait()
+
+
+def test_blocked_observer_not_called_without_process_group():
+    calls = []
+    previous = Communicator.set_blocked_observer(lambda op, s: calls.append(op))
+    try:
+        comm = Communicator()
+        comm.all_reduce(torch.ones(2))
+        comm.all_gather(torch.ones(2), async_op=True).wait()
+    finally:
+        Communicator.set_blocked_observer(previous)
+    assert calls == []

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from thinwire.__main__ import main
+from thinwire.train.cli import main
 
 OPTIMIZERS = ("adamw", "powersgd", "demo")
 RUN_KEYS = ("optimizer", "val_loss", "payload_bytes_per_step", "link_bytes_per_step", "step_time_s",
@@ -123,3 +123,22 @@ def test_bin_with_ids_beyond_vocab(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--preset", "tiny", "--data", str(path)])
     assert "token id 300 >= vocab_size 256" in capsys.readouterr().err
+
+
+def test_entry_points_and_layers():
+    """`thinwire` (pyproject: thinwire.__main__:main), `python -m thinwire` and `python -m
+    thinwire.train` all reach the parser in thinwire.train.cli; train/ never imports the
+    top-level thinwire.__main__, and the CLI imports no training code until a command runs."""
+    import thinwire.__main__ as entry
+    import thinwire.train.__main__ as train_entry
+    from thinwire.train import cli
+    assert entry.main is cli.main and train_entry.main is cli.torchrun_main
+    for module in ("thinwire", "thinwire.train"):
+        done = subprocess.run([sys.executable, "-m", module, *(["train"] if module == "thinwire" else []), "--help"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "--optimizer" in done.stdout, done.stderr
+    probe = ("import sys, thinwire.train.cli, thinwire.train.__main__; "
+             "print(sorted(m for m in sys.modules if m in ('thinwire.__main__', 'thinwire.train.run', "
+             "'thinwire.train.worker', 'thinwire.train.model')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

@@ -136,3 +136,27 @@ def test_modelled_time_and_time_to_target():
     assert row["payload_bytes_per_step"] == pytest.approx(1_000_125 / 3)
     assert row["val_loss"] == 2.0
     assert time_to_target(evals, {"measured": [0, 1, 2, 3]}, target=1.0) == {"measured": None}
+
+
+def _timed_all_reduce(rank, world):
+    import time
+
+    import torch.distributed as dist
+
+    import thinwire.comm.communicator as communicator
+    from thinwire.comm import Communicator
+    from thinwire.train.timing import BLOCKED, install
+    install()
+    BLOCKED[0] = 0.0
+    if rank == 1:
+        time.sleep(0.5)
+    Communicator().all_reduce(torch.ones(4))
+    return {"blocked": BLOCKED[0], "dist_untouched": communicator.dist is dist}
+
+
+def test_timing_counts_blocked_time_through_the_communicator_hook():
+    from tests.dist import run_workers
+    results = run_workers(_timed_all_reduce, 2)
+    assert all(r["dist_untouched"] for r in results)            # a hook, not a replacement of torch.distributed
+    assert results[0]["blocked"] >= 0.25                        # rank 0 waited for the late rank 1
+    assert 0 <= results[1]["blocked"] < results[0]["blocked"]

@@ -4,9 +4,14 @@ Every thinwire optimizer talks to its peers only through a `Communicator`, so th
 records are the bytes actually handed to torch.distributed (`tensor.nbytes`), never an
 estimate. With no initialised process group (or a world of one) every collective is a
 local identity and moves nothing.
+
+Time blocked in torch.distributed can be observed, process-wide, without touching
+torch.distributed itself: `Communicator.set_blocked_observer(fn)` (see there).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -15,15 +20,28 @@ from .links import link_bytes
 from .stats import CommStats
 
 
-class Pending:
-    """An issued asynchronous collective; `wait()` returns its result tensor."""
+# The blocked-time observer (Communicator.set_blocked_observer); None: nothing is timed.
+_blocked_observer = None
 
-    def __init__(self, work, result: torch.Tensor | None):
+
+class Pending:
+    """An issued asynchronous collective; `wait()` returns its result tensor.
+
+    `observer` (the blocked-time observer when the collective was issued, or None) is
+    called with (`op`, seconds) once the first `wait()` on issued work returns."""
+
+    def __init__(self, work, result: torch.Tensor | None, op: str = "", observer=None):
         self._work, self._result = work, result
+        self._op, self._observer = op, observer
 
     def wait(self):
         if self._work is not None:
-            self._work.wait()
+            if self._observer is None:
+                self._work.wait()
+            else:
+                t = time.perf_counter()
+                self._work.wait()
+                self._observer(self._op, time.perf_counter() - t)
             self._work = None
         return self._result
 
@@ -62,6 +80,28 @@ class Communicator:
                 raise ValueError("process_group given but torch.distributed is not initialised")
             self.group, self.rank, self.world_size = None, 0, 1
 
+    @staticmethod
+    def set_blocked_observer(fn):
+        """Observe the time this process blocks in torch.distributed; returns the previous
+        observer (None: unset, the default).
+
+        `fn(op, seconds)` is called, for every Communicator in the process, with the
+        collective's name ('all_reduce', 'all_gather', 'all_to_all', 'gather', 'broadcast')
+        and wall seconds blocked:
+
+        - synchronous collective: once, when it has completed (from issuing to completion);
+        - `async_op=True`: once when the call returns (the time spent issuing it), and once
+          when the first `Pending.wait()` returns (the time spent waiting; for an all_to_all
+          with `send_own=False` that includes placing the arrived rows).
+
+        Collectives that call no torch.distributed (no process group, a world of one) are not
+        reported. With no observer set no clock is read. Set `fn=None` to stop observing; a
+        pending collective reports its wait to the observer set when it was issued.
+        """
+        global _blocked_observer
+        previous, _blocked_observer = _blocked_observer, fn
+        return previous
+
     @property
     def distributed(self) -> bool:
         return self.group is not None and self.world_size > 1
@@ -83,8 +123,11 @@ class Communicator:
         if op not in ops:
             raise ValueError(f"op must be one of {tuple(ops)}, got {op!r}")
         self._record("all_reduce", tag, buf.nbytes, buf.nbytes)
-        work = dist.all_reduce(buf, op=ops[op], group=self.group, async_op=True) if self.distributed else None
-        return self._finish(work, buf, async_op)
+        if not self.distributed:
+            return self._finish(None, buf, async_op)
+        start = _clock()
+        work = dist.all_reduce(buf, op=ops[op], group=self.group, async_op=True)
+        return self._finish(work, buf, async_op, "all_reduce", start)
 
     def all_gather(self, buf: torch.Tensor, *, tag: str = "payload", out: torch.Tensor | None = None,
                    async_op: bool = False):
@@ -99,8 +142,9 @@ class Communicator:
         if not self.distributed:
             out[0].copy_(buf)
             return self._finish(None, out, async_op)
+        start = _clock()
         work = _all_gather_single()(out.view(-1), buf, group=self.group, async_op=True)
-        return self._finish(work, out, async_op)
+        return self._finish(work, out, async_op, "all_gather", start)
 
     def all_to_all(self, buf: torch.Tensor, *, tag: str = "payload", send_own: bool = True, async_op: bool = False):
         """Split `buf` into world_size equal parts; part j goes to rank j. Returns what arrived,
@@ -120,8 +164,9 @@ class Communicator:
         if not self.distributed:
             out.copy_(parts)
             return self._finish(None, out, async_op)
+        start = _clock()
         work = dist.all_to_all_single(out.view(-1), buf, group=self.group, async_op=True)
-        return self._finish(work, out, async_op)
+        return self._finish(work, out, async_op, "all_to_all", start)
 
     def _all_to_all_peers(self, parts: torch.Tensor, tag: str, async_op: bool):
         """all_to_all of parts [W, part] with the own row kept local (a zero split)."""
@@ -134,9 +179,10 @@ class Communicator:
             return self._finish(None, out, async_op)
         splits = [0 if j == r else parts.shape[1] for j in range(self.world_size)]
         arrived = torch.empty_like(others)
+        start = _clock()
         work = dist.all_to_all_single(arrived.view(-1), others.view(-1), splits, splits, group=self.group,
                                       async_op=True)
-        return self._finish(_Assemble(work, out, arrived, r), out, async_op)
+        return self._finish(_Assemble(work, out, arrived, r), out, async_op, "all_to_all", start)
 
     def gather(self, buf: torch.Tensor, *, dst: int = 0, tag: str = "payload", async_op: bool = False):
         """Every rank's `buf` at rank `dst` as [world_size, numel]; None on other ranks."""
@@ -149,8 +195,10 @@ class Communicator:
             out[0].copy_(buf)
             return self._finish(None, out, async_op)
         parts = list(out.unbind(0)) if root else None
-        work = dist.gather(buf, parts, dst=self._global(dst), group=self.group, async_op=True)
-        return self._finish(work, out, async_op)
+        dst = self._global(dst)
+        start = _clock()
+        work = dist.gather(buf, parts, dst=dst, group=self.group, async_op=True)
+        return self._finish(work, out, async_op, "gather", start)
 
     def broadcast(self, buf: torch.Tensor, *, src: int = 0, tag: str = "payload", async_op: bool = False):
         """In-place: every rank's `buf` becomes rank `src`'s. Returns `buf`."""
@@ -158,9 +206,12 @@ class Communicator:
         self._check_rank(src, "src")
         root = self.rank == src
         self._record("broadcast", tag, buf.nbytes, buf.nbytes if root else 0, is_root=root)
-        work = (dist.broadcast(buf, src=self._global(src), group=self.group, async_op=True)
-                if self.distributed else None)
-        return self._finish(work, buf, async_op)
+        if not self.distributed:
+            return self._finish(None, buf, async_op)
+        src = self._global(src)
+        start = _clock()
+        work = dist.broadcast(buf, src=src, group=self.group, async_op=True)
+        return self._finish(work, buf, async_op, "broadcast", start)
 
     def _check_rank(self, rank: int, name: str) -> None:
         if not 0 <= rank < self.world_size:
@@ -170,9 +221,21 @@ class Communicator:
         return dist.get_global_rank(self.group, group_rank)
 
     @staticmethod
-    def _finish(work, result, async_op: bool):
+    def _finish(work, result, async_op: bool, op: str = "", start: float | None = None):
+        """Wait for `work` unless `async_op`; report blocked time from `start` (see
+        set_blocked_observer; None: not timed)."""
+        observer = _blocked_observer if start is not None else None
         if async_op:
-            return Pending(work, result)
+            if observer is not None:
+                observer(op, time.perf_counter() - start)
+            return Pending(work, result, op, observer)
         if work is not None:
             work.wait()
+        if observer is not None:
+            observer(op, time.perf_counter() - start)
         return result
+
+
+def _clock() -> float | None:
+    """Now, if a blocked-time observer is set (else None: nothing is timed)."""
+    return time.perf_counter() if _blocked_observer is not None else None
