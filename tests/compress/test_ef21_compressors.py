@@ -11,7 +11,11 @@ import math
 import pytest
 import torch
 
-from thinwire.compress.spec import DctTopK, parse_compressor
+from thinwire.compress import VALUE_STAGES
+from thinwire.compress.dct_topk import DctTopK
+from thinwire.compress.spec import parse_compressor
+from thinwire.compress.value_stages import get_value_stage
+from thinwire.wire import VALUE_FORMATS
 
 SHAPES = [(40, 25), (7, 3, 3, 3), (33,)]
 SPECS = ["identity", "natural", "topk:0.05", "topk:0.3+natural", "randk:0.1", "randk:0.2+natural",
@@ -45,6 +49,16 @@ def test_contraction_bound_holds(spec, shape):
             assert mean <= (1 - alpha) * 1.05 + 1e-9, (mean, 1 - alpha)   # 5 %: sampling error
         else:
             assert rel_error(comp, x) <= (1 - alpha) + 1e-6
+
+
+@pytest.mark.parametrize("name", VALUE_STAGES)
+def test_value_stages_are_the_value_format_table(name):
+    """Every format of thinwire.wire.VALUE_FORMATS is a value stage, sized and flagged by its row."""
+    assert VALUE_STAGES == tuple(VALUE_FORMATS)
+    fmt, stage = VALUE_FORMATS[name], get_value_stage(name)
+    assert stage.name == name and stage.lossless == fmt.lossless and stage.error_factor == fmt.error_factor
+    for n in (1, 7, 1000):
+        assert stage.nbytes(n) == 4 * fmt.scaled + math.ceil(n * fmt.bits / 8)
 
 
 def test_alpha_values_from_their_definitions():
@@ -166,7 +180,7 @@ def test_dct_topk_matches_chunked_topk():
     x = torch.randn(40, 25, generator=torch.Generator().manual_seed(8))
     inner = ChunkedTopK(16, 8, "dct", "fp32")
     y, _ = roundtrip(parse_compressor("dct-topk:16:8"), x)
-    assert torch.equal(y, inner.decode(inner.encode(x), x.shape))
+    assert torch.equal(y, roundtrip(inner, x)[0])
     assert DctTopK.wrap(inner).name == "dct-topk:16:8"
 
 

@@ -9,6 +9,19 @@ from thinwire.compress import ChunkedTopK, Payload
 from thinwire.ops import dct_matrix
 
 
+def roundtrip(comp, x, step=0):
+    """decode(encode(x)) through the compressor protocol (flat uint8 payload)."""
+    out = torch.empty(comp.payload_nbytes(x.shape), dtype=torch.uint8)
+    comp.encode(x, out, step)
+    return comp.decode(out, x.shape, step)
+
+
+def payload_of(comp, x, step=0) -> Payload:
+    out = torch.empty(comp.payload_nbytes(x.shape), dtype=torch.uint8)
+    comp.encode(x, out, step)
+    return Payload.from_buffer(out, comp.payload_spec(x.shape))
+
+
 def naive_dct2(block: torch.Tensor) -> torch.Tensor:
     """Orthonormal 2-D DCT-II by the defining double sum, in float64."""
     h, w = block.shape
@@ -45,13 +58,13 @@ def test_coefficients_of_a_chunk_are_its_dct():
 def test_all_coefficients_kept_reconstructs_exactly(transform):
     comp = ChunkedTopK(topk=64, chunk=8, transform=transform, values="fp32", seed=3)
     x = torch.randn(13, 20)
-    assert torch.allclose(comp.decode(comp.encode(x, step=5), x.shape, step=5), x, atol=1e-5)
+    assert torch.allclose(roundtrip(comp, x, step=5), x, atol=1e-5)
 
 
 def test_identity_keeps_the_k_largest_per_chunk():
     comp = ChunkedTopK(topk=3, chunk=4, transform="identity", values="fp32")
     x = torch.randn(4, 8)
-    y = comp.decode(comp.encode(x), x.shape)
+    y = roundtrip(comp, x)
     for block in (slice(0, 4), slice(4, 8)):
         xb, yb = x[:, block].reshape(-1), y[:, block].reshape(-1)
         keep = xb.abs().argsort(descending=True)[:3]
@@ -64,10 +77,9 @@ def test_identity_keeps_the_k_largest_per_chunk():
 def test_aggregate_mean_is_average_of_decodes_and_senders_matches_scatter_mean(ranks):
     comp = ChunkedTopK(topk=5, chunk=8, transform="dct", values="fp32")
     xs = [torch.randn(16, 8) for _ in range(ranks)]
-    payloads = [comp.encode(x) for x in xs]
-    reads = [comp.read(p, (16, 8)) for p in payloads]
+    reads = [comp.read(payload_of(comp, x), (16, 8)) for x in xs]
     mean = comp.aggregate(reads, (16, 8), mode="mean")
-    assert torch.allclose(mean, sum(comp.decode(p, (16, 8)) for p in payloads) / ranks, atol=1e-6)
+    assert torch.allclose(mean, sum(roundtrip(comp, x) for x in xs) / ranks, atol=1e-6)
     # bloc97/DeMo: concatenate all ranks' (index, value) pairs, scatter_reduce(mean) per chunk.
     idx = torch.cat([r[0] for r in reads], dim=-1)
     val = torch.cat([r[1] for r in reads], dim=-1)
@@ -81,13 +93,13 @@ def test_payload_size_matches_layout():
     comp = ChunkedTopK(topk=32, chunk=64, values="bf16")
     # 128 x 192: 2 x 3 chunks of 64 x 64 = 4096 elements -> 12-bit indices.
     assert comp.payload_spec((128, 192)) == (("indices", 6 * 32 * 12 // 8), ("values", 6 * 32 * 2))
-    assert comp.encode(torch.randn(128, 192)).nbytes == comp.payload_nbytes((128, 192))
+    assert payload_of(comp, torch.randn(128, 192)).nbytes == comp.payload_nbytes((128, 192))
 
 
 def test_out_of_range_index_and_wrong_length_raise():
     comp = ChunkedTopK(topk=2, chunk=4, transform="identity", values="fp32")
     shape = (3,)  # one chunk of 3 elements: 2-bit indices can encode 3, which is out of range
-    buf = comp.encode(torch.tensor([1.0, -2.0, 3.0])).parts
+    buf = payload_of(comp, torch.tensor([1.0, -2.0, 3.0])).parts
     bad = torch.cat([torch.tensor([0xFF], dtype=torch.uint8), buf["values"]])  # indices 3, 3
     with pytest.raises(ValueError, match="out of range"):
         comp.read(Payload.from_buffer(bad, comp.payload_spec(shape)), shape)
@@ -97,7 +109,7 @@ def test_out_of_range_index_and_wrong_length_raise():
 
 def test_non_finite_values_rejected():
     comp = ChunkedTopK(topk=1, chunk=4, transform="identity", values="fp32")
-    payload = comp.encode(torch.tensor([0.0, float("nan"), 0.0]))
+    payload = payload_of(comp, torch.tensor([0.0, float("nan"), 0.0]))
     with pytest.raises(ValueError, match="non-finite"):
         comp.read(payload, (3,))
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from thinwire.wire import CODEC_NAMES, SignCodec, get_codec
+from thinwire.wire import CODEC_NAMES, VALUE_FORMATS, SignCodec, ValueFormat, get_codec
 
 SHAPES = [(0, 5), (3, 0), (1, 1), (5, 7), (2, 1001)]
 
@@ -31,6 +31,28 @@ def test_names_and_flags():
     for name in CODEC_NAMES:
         codec = get_codec(name)
         assert codec.name == name and codec.lossless == (name == "fp32")
+
+
+def test_value_format_table():
+    """The one table of value-format names: CODEC_NAMES derives from it, and each codec's
+    size, lossless flag and error factor agree with its row."""
+    assert tuple(VALUE_FORMATS) == ("fp32", "bf16", "fp16", "int8", "sign", "natural")
+    assert all(isinstance(fmt, ValueFormat) for fmt in VALUE_FORMATS.values())
+    assert CODEC_NAMES == tuple(name for name, fmt in VALUE_FORMATS.items() if fmt.codec)
+    assert not VALUE_FORMATS["natural"].codec
+    with pytest.raises(TypeError):
+        VALUE_FORMATS["fp8"] = VALUE_FORMATS["fp32"]                      # read-only
+    x = randn(4, 999, seed=9) * 100
+    for name in CODEC_NAMES:
+        fmt, codec = VALUE_FORMATS[name], get_codec(name)
+        for rows, cols in SHAPES:
+            assert codec.nbytes(rows, cols) == 4 * rows * fmt.scaled + -(-rows * cols * fmt.bits // 8)
+        assert codec.lossless == fmt.lossless
+        err = float((codec.roundtrip(x) - x).double().norm() ** 2 / x.double().norm() ** 2)
+        if fmt.lossless:
+            assert err == 0.0 and fmt.error_factor == 0.0
+        if fmt.error_factor is not None:
+            assert err <= fmt.error_factor
 
 
 def test_unknown_codec_and_scale_raise():

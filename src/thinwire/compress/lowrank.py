@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .chunking import matrix_shape
-from .sparse import EF21Compressor, check_count
+from .ef21 import EF21Compressor, check_count
 
 
 class RankK(EF21Compressor):
@@ -64,7 +64,7 @@ class RankK(EF21Compressor):
         self.values.encode(factors, out, seed)
 
     def decode(self, buf: torch.Tensor, shape, seed: int = 0) -> torch.Tensor:
-        flat = self._finite(self.values.decode(buf, self._count(shape)))
+        flat = self._finite(self.values.decode(self._buffer(buf, shape), self._count(shape)))
         if self._dense(shape):
             return flat.view(tuple(shape))
         m, n = matrix_shape(tuple(shape))

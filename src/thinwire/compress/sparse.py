@@ -1,103 +1,18 @@
-"""Contractive compressors for EF21 messages: identity, Top-K and Rand-K.
+"""Sparsifying EF21 compressors: Top-K and Rand-K of the flattened tensor.
 
-Every compressor C maps a tensor to bytes whose count follows from the shape alone, and
-satisfies  E||C(x) - x||^2 <= (1 - alpha) ||x||^2  with the `alpha(shape)` it documents
-(None where no bound is known). A compressor is a sparsifier followed by a value stage
-(`thinwire.compress.natural`): 'topk:0.05+natural' keeps the top 5 % and sends each kept
-value as sign + exponent. When the value stage has error factor eps (eps = 0 for fp32),
-the kept part's error is orthogonal to the dropped part, so
-
-    E||C(x) - x||^2 = ||x||^2 - E||S(x)||^2 + E||Q(S(x)) - S(x)||^2 <= (1 - (1 - eps) alpha_S) ||x||^2.
-
-Interface (what EF21Muon uses): `name` (the canonical spec), `lossless`,
-`payload_nbytes(shape)`, `encode(x, out, seed)` writing exactly that many bytes into `out`,
-`decode(buf, shape, seed)` -> float32 tensor of `shape` (validated: indices in range, values
-finite; raises ValueError otherwise), `alpha(shape)`. `seed` feeds the compressor's
-randomness (Rand-K indices, natural rounding); sender and receivers pass the same seed.
+Both keep K = max(1, round(ratio * d)) of the d entries and send them through a value stage
+(`thinwire.compress.value_stages`); the base class, the contraction bound and the interface
+are in `thinwire.compress.ef21`.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 from ..ops.select import largest_indices
 from ..wire import index_width, pack_bits, packed_nbytes, unpack_bits
-from .natural import generator, get_value_stage
-
-
-def _numel(shape) -> int:
-    return math.prod(tuple(shape))
-
-
-def check_ratio(ratio) -> float:
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
-        raise ValueError(f"compression ratio must be in (0, 1], got {ratio!r}")
-    return float(ratio)
-
-
-def check_count(k, what: str = "K") -> int:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"{what} must be an integer >= 1, got {k!r}")
-    return k
-
-
-class EF21Compressor:
-    """Base class: a value stage (`values`, default fp32) applied to what `_select` keeps."""
-
-    kind = ""
-
-    def __init__(self, values: str = "fp32"):
-        self.values = get_value_stage(values)
-
-    @property
-    def name(self) -> str:
-        suffix = "" if self.values.name == "fp32" else f"+{self.values.name}"
-        return f"{self.kind}{suffix}"
-
-    @property
-    def lossless(self) -> bool:
-        return False
-
-    def _value_alpha(self, alpha):
-        eps = self.values.error_factor
-        return None if alpha is None or eps is None else alpha * (1.0 - eps)
-
-    @staticmethod
-    def _finite(x: torch.Tensor) -> torch.Tensor:
-        if not bool(torch.isfinite(x).all()):
-            raise ValueError("malformed payload: non-finite values")
-        return x
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r})"
-
-
-class Identity(EF21Compressor):
-    """Every value, in the value stage's precision. alpha = 1 - eps (1 for fp32: lossless)."""
-
-    kind = "identity"
-
-    @property
-    def name(self) -> str:
-        return "natural" if self.values.name == "natural" else super().name
-
-    @property
-    def lossless(self) -> bool:
-        return self.values.lossless
-
-    def alpha(self, shape):
-        return self._value_alpha(1.0)
-
-    def payload_nbytes(self, shape) -> int:
-        return self.values.nbytes(_numel(shape))
-
-    def encode(self, x: torch.Tensor, out: torch.Tensor, seed: int = 0) -> None:
-        self.values.encode(x.reshape(-1), out, seed)
-
-    def decode(self, buf: torch.Tensor, shape, seed: int = 0) -> torch.Tensor:
-        return self._finite(self.values.decode(buf, _numel(shape)).view(tuple(shape)))
+from .ef21 import EF21Compressor, check_ratio, numel
+from .value_stages import generator
 
 
 class _Sparse(EF21Compressor):
@@ -113,14 +28,14 @@ class _Sparse(EF21Compressor):
         return f"{self.kind}:{self.ratio:g}{suffix}"
 
     def k(self, shape) -> int:
-        n = _numel(shape)
+        n = numel(shape)
         return min(n, max(1, round(self.ratio * n)))
 
     def alpha(self, shape):
-        return self._value_alpha(self.k(shape) / _numel(shape))
+        return self._value_alpha(self.k(shape) / numel(shape))
 
     def _scatter(self, idx: torch.Tensor, vals: torch.Tensor, shape) -> torch.Tensor:
-        dense = torch.zeros(_numel(shape), dtype=torch.float32, device=vals.device)
+        dense = torch.zeros(numel(shape), dtype=torch.float32, device=vals.device)
         return dense.index_put_((idx,), self._finite(vals)).view(tuple(shape))
 
 
@@ -139,11 +54,11 @@ class TopK(_Sparse):
 
     def bitmap(self, shape) -> bool:
         """Whether the positions travel as a bitmap (see the class docstring)."""
-        n, k = _numel(shape), self.k(shape)
+        n, k = numel(shape), self.k(shape)
         return packed_nbytes(n, 1) < packed_nbytes(k, index_width(n))
 
     def _index_nbytes(self, shape) -> int:
-        n = _numel(shape)
+        n = numel(shape)
         return packed_nbytes(n, 1) if self.bitmap(shape) else packed_nbytes(self.k(shape), index_width(n))
 
     def payload_nbytes(self, shape) -> int:
@@ -161,7 +76,8 @@ class TopK(_Sparse):
         self.values.encode(flat[idx], out[cut:], seed)
 
     def decode(self, buf: torch.Tensor, shape, seed: int = 0) -> torch.Tensor:
-        n, k, cut = _numel(shape), self.k(shape), self._index_nbytes(shape)
+        buf = self._buffer(buf, shape)
+        n, k, cut = numel(shape), self.k(shape), self._index_nbytes(shape)
         if self.bitmap(shape):
             idx = unpack_bits(buf[:cut], 1, n).nonzero().view(-1)
             if idx.numel() != k:
@@ -184,7 +100,7 @@ class RandK(_Sparse):
     kind = "randk"
 
     def indices(self, shape, seed: int, device) -> torch.Tensor:
-        perm = torch.randperm(_numel(shape), generator=generator(seed))
+        perm = torch.randperm(numel(shape), generator=generator(seed))
         return perm[: self.k(shape)].to(device)
 
     def payload_nbytes(self, shape) -> int:
@@ -195,5 +111,5 @@ class RandK(_Sparse):
         self.values.encode(x.reshape(-1)[self.indices(x.shape, seed, x.device)], out, seed ^ 0x5BD1E995)
 
     def decode(self, buf: torch.Tensor, shape, seed: int = 0) -> torch.Tensor:
-        vals = self.values.decode(buf, self.k(shape))
+        vals = self.values.decode(self._buffer(buf, shape), self.k(shape))
         return self._scatter(self.indices(shape, seed, vals.device), vals, shape)

@@ -1,8 +1,8 @@
-"""Compressor spec strings ('topk:0.05+natural') and DeMo's chunked-DCT top-k as an EF21 compressor.
+"""Compressor spec strings ('topk:0.05+natural'): the grammar and its parser.
 
 Grammar:  <base>[+<values>]
     base    identity | natural | topk:<ratio> | randk:<ratio> | rank:<K> | dct-topk:<k>[:<chunk>]
-    values  fp32 (default) | bf16 | fp16 | int8 | sign | natural       (thinwire.compress.natural)
+    values  fp32 (default) | bf16 | fp16 | int8 | sign | natural       (thinwire.wire.VALUE_FORMATS)
 <ratio> is in (0, 1]; <K>, <k> and <chunk> are integers >= 1; 'natural' alone is
 'identity+natural'. dct-topk takes the value formats of ChunkedTopK (not natural), one
 scale per chunk for int8 and sign.
@@ -10,61 +10,14 @@ scale per chunk for int8 and sign.
 
 from __future__ import annotations
 
-from ..wire import CODEC_NAMES
+from .dct_topk import DctTopK
+from .ef21 import EF21Compressor, Identity, check_count, check_ratio
 from .lowrank import RankK
-from .natural import VALUE_STAGES
-from .payload import Payload
-from .sparse import EF21Compressor, Identity, RandK, TopK, check_count, check_ratio
+from .sparse import RandK, TopK
 from .topk import ChunkedTopK
+from .value_stages import VALUE_STAGES
 
 COMPRESSOR_NAMES = ("identity", "natural", "topk", "randk", "rank", "dct-topk")
-
-
-class DctTopK(EF21Compressor):
-    """DeMo's chunked-DCT top-k (`ChunkedTopK`, transform='dct'): the k largest orthonormal
-    DCT-II coefficients of every chunk (64 x 64 by default), indices bit-packed.
-
-    The DCT is orthonormal, so per chunk ||x - C(x)||^2 <= (1 - k / chunk_elems) ||x||^2
-    (zero padding adds no energy): alpha = min(1, k / chunk_elems) for the plan's chunk size,
-    times (1 - eps) of the value format (fp32, bf16, fp16; None for int8 and sign).
-    """
-
-    kind = "dct-topk"
-    _EPS = {"fp32": 0.0, "bf16": 2.0 ** -16, "fp16": 2.0 ** -22}
-
-    def __init__(self, topk: int = 32, chunk: int = 64, values: str = "fp32"):
-        topk, chunk = check_count(topk, "dct-topk k"), check_count(chunk, "dct-topk chunk")
-        if values not in CODEC_NAMES:
-            raise ValueError(f"dct-topk values must be one of {CODEC_NAMES}, got {values!r}")
-        self.inner = ChunkedTopK(topk, chunk, "dct", values)
-        self.value_format = values
-
-    @classmethod
-    def wrap(cls, inner: ChunkedTopK) -> "DctTopK":
-        if inner.transform.kind != "dct":
-            raise ValueError("only a ChunkedTopK with transform='dct' can serve as an EF21 compressor")
-        self = cls.__new__(cls)
-        self.inner, self.value_format = inner, inner.codec.name
-        return self
-
-    @property
-    def name(self) -> str:
-        suffix = "" if self.value_format == "fp32" else f"+{self.value_format}"
-        return f"dct-topk:{self.inner.topk}:{self.inner.chunk}{suffix}"
-
-    def alpha(self, shape):
-        eps = self._EPS.get(self.value_format)
-        return None if eps is None else min(1.0, self.inner.topk / self.inner.plan(shape).chunk_elems) * (1 - eps)
-
-    def payload_nbytes(self, shape) -> int:
-        return self.inner.payload_nbytes(tuple(shape))
-
-    def encode(self, x, out, seed: int = 0) -> None:
-        self.inner.encode(x, 0, out=out)
-
-    def decode(self, buf, shape, seed: int = 0):
-        shape = tuple(shape)
-        return self.inner.decode(Payload.from_buffer(buf, self.inner.payload_spec(shape)), shape)
 
 
 def _number(kind, name: str, text: str):

@@ -22,7 +22,7 @@ import torch
 from ..ops.select import largest_indices
 from ..wire import get_codec, index_width, pack_bits, packed_nbytes, unpack_bits
 from .chunking import ChunkPlan
-from .payload import Payload, PayloadSpec
+from .payload import Payload, PayloadSpec, check_buffer
 from .transforms import ChunkTransform
 
 AGGREGATIONS = ("mean", "senders")
@@ -31,7 +31,9 @@ Read = tuple[torch.Tensor, torch.Tensor]   # (indices [n_chunks, k] int64, value
 
 
 class ChunkedTopK:
-    """encode(x) keeps the k largest-magnitude transform coefficients of every chunk.
+    """encode(x, out, step) keeps the k largest-magnitude transform coefficients of every
+    chunk (the compressor protocol, `thinwire.compress.protocol`; DeMo itself calls the
+    steps one by one: select, write, read, scatter, aggregate).
 
     aggregate() averages what all ranks sent: 'mean' divides the sum by the number of ranks
     (the average of the ranks' decoded tensors); 'senders' divides each coefficient by the
@@ -121,12 +123,14 @@ class ChunkedTopK:
         image = self.transform.forward_image(plan.transform_input(x), plan, step)
         return image.view(gr, h, gc, w).permute(0, 2, 1, 3).reshape(plan.num_chunks, h * w)
 
-    def encode(self, x: torch.Tensor, step: int = 0, out: torch.Tensor | None = None,
-               scratch: torch.Tensor | None = None) -> Payload:
-        """Top-k coefficients of every chunk of x; written into `out` (flat uint8) if given."""
+    def encode(self, x: torch.Tensor, out: torch.Tensor, seed: int = 0, *,
+               scratch: torch.Tensor | None = None) -> None:
+        """The compressor protocol's encode: the top-k coefficients of every chunk of x,
+        written into `out` (flat uint8 of payload_nbytes(x.shape) bytes). `seed` is the step
+        (it picks the random transform's basis; dct and identity ignore it)."""
         plan = self.plan(x.shape)
-        image = self.transform.forward_image(plan.transform_input(x), plan, step, scratch=scratch)
-        return self.write(self.select(image, x.shape, scratch), x.shape, out)
+        image = self.transform.forward_image(plan.transform_input(x), plan, seed, scratch=scratch)
+        self.write(self.select(image, x.shape, scratch), x.shape, check_buffer(out, self.payload_nbytes(x.shape)))
 
     def read(self, payload: Payload, shape) -> Read:
         """(indices [n_chunks, k] int64, values [n_chunks, k] float32), validated."""
@@ -140,9 +144,12 @@ class ChunkedTopK:
             raise ValueError("malformed payload: non-finite values")
         return idx, vals
 
-    def decode(self, payload: Payload, shape, step: int = 0) -> torch.Tensor:
-        """The dense tensor (float32, `shape`) a receiver reconstructs from one payload."""
-        return self.aggregate([self.read(payload, shape)], shape, step)
+    def decode(self, buf: torch.Tensor, shape, seed: int = 0) -> torch.Tensor:
+        """The compressor protocol's decode: the dense tensor (float32, `shape`) a receiver
+        reconstructs from one rank's flat payload `buf`, validated as `read` does. `seed`:
+        the step the sender encoded at."""
+        shape = tuple(shape)
+        return self.aggregate([self.read(Payload.from_buffer(buf, self.payload_spec(shape)), shape)], shape, seed)
 
     def aggregate(self, reads: Sequence[Read], shape, step: int = 0, mode: str = "mean", *,
                   out: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:

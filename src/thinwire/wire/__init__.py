@@ -6,19 +6,26 @@ and signs at 1 bit each (`pack_signs` / `unpack_signs`). Value i occupies stream
 [i*width, (i+1)*width), least significant bit first; stream bit j is bit j % 8 of byte
 j // 8; the last byte is zero-padded: ceil(count * width / 8) bytes in all.
 
-`values`: a float [rows, cols] tensor, one scale per row where the codec has one, as
+`values`: `VALUE_FORMATS`, the one table of value-format names (name -> `ValueFormat`: bits
+per value, per-row scale or not, lossless or not, error factor, whether `get_codec` has it;
+`CODEC_NAMES` derives from it), and the codecs of a float [rows, cols] tensor, one scale per
+row where the codec has one, as
     fp32  rows*cols*4 bytes (lossless)
     bf16  rows*cols*2 bytes
     fp16  rows*cols*2 bytes (finite values saturate at +-65504)
     int8  rows*4 bytes of float32 absmax scales, then rows*cols int8
     sign  rows*4 bytes of float32 scales, then ceil(rows*cols / 8) bytes of sign bits
-All multi-byte numbers are little-endian.
+The 'natural' format (sign + exponent, stochastically rounded from a seed) is an EF21 value
+stage on flat vectors only: `thinwire.compress.value_stages`. All multi-byte numbers are
+little-endian.
 """
 
 from .bits import index_width, pack_bits, pack_signs, packed_nbytes, unpack_bits, unpack_signs
-from .values import CODEC_NAMES, FP16_MAX, FloatCodec, Int8Codec, SignCodec, ValueCodec, get_codec
+from .values import (CODEC_NAMES, FP16_MAX, VALUE_FORMATS, FloatCodec, Int8Codec, SignCodec, ValueCodec,
+                     ValueFormat, get_codec)
 
 __all__ = [
-    "CODEC_NAMES", "FP16_MAX", "FloatCodec", "Int8Codec", "SignCodec", "ValueCodec", "get_codec",
+    "CODEC_NAMES", "FP16_MAX", "FloatCodec", "Int8Codec", "SignCodec", "VALUE_FORMATS", "ValueCodec",
+    "ValueFormat", "get_codec",
     "index_width", "pack_bits", "pack_signs", "packed_nbytes", "unpack_bits", "unpack_signs",
 ]

@@ -1,5 +1,5 @@
-"""Value codecs: a float tensor [rows, cols] <-> a flat uint8 buffer whose size depends
-only on (rows, cols).
+"""Value formats (`VALUE_FORMATS`, the one table of their names) and value codecs: a float
+tensor [rows, cols] <-> a flat uint8 buffer whose size depends only on (rows, cols).
 
 `rows` are groups that get one scale each (e.g. chunks), `cols` the values per group.
 Every number on the wire is little-endian; values are row-major. Layouts:
@@ -17,12 +17,43 @@ catches it.
 from __future__ import annotations
 
 import operator
+from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 
 from .bits import pack_signs, packed_nbytes, unpack_signs
 
 FP16_MAX = 65504.0
+
+
+class ValueFormat(NamedTuple):
+    """How one float value travels (an entry of `VALUE_FORMATS`)."""
+
+    bits: int                    # wire bits per value, not counting the per-row scale
+    scaled: bool                 # one float32 scale per row (chunk, block) precedes the values
+    lossless: bool               # decode(encode(x)) == x for finite x
+    error_factor: float | None   # eps with (E)||Q(v) - v||^2 <= eps ||v||^2; None: no such bound
+    codec: bool                  # get_codec(name) gives a [rows, cols] codec; False: only a seeded
+                                 # EF21 value stage on flat vectors (thinwire.compress.value_stages)
+    description: str
+
+
+VALUE_FORMATS = MappingProxyType({
+    "fp32": ValueFormat(32, False, True, 0.0, True, "float32, lossless"),
+    "bf16": ValueFormat(16, False, False, 2.0 ** -16, True, "bfloat16, round to nearest even"),
+    "fp16": ValueFormat(16, False, False, 2.0 ** -22, True,
+                        "float16; finite values saturate at +-65504 (eps holds in the normal range)"),
+    "int8": ValueFormat(8, True, False, None, True, "float32 absmax scale per row, then int8 values"),
+    "sign": ValueFormat(1, True, False, None, True, "float32 mean|x| scale per row, then 1 sign bit per value"),
+    "natural": ValueFormat(9, False, False, 1.0 / 8.0, False,
+                           "sign bit + float32 exponent: |x| rounded stochastically (from a seed) to a "
+                           "neighbouring power of two, unbiased"),
+})
+"""Every value format thinwire knows, by name: the one table the other name lists derive from."""
+
+CODEC_NAMES: tuple[str, ...] = tuple(name for name, fmt in VALUE_FORMATS.items() if fmt.codec)
+"""The formats `get_codec` provides ([rows, cols] codecs): every format but 'natural'."""
 
 
 def _dim(name: str, value) -> int:
@@ -115,7 +146,7 @@ class FloatCodec(ValueCodec):
         if dtype not in self.NAMES:
             raise ValueError(f"dtype must be one of {tuple(self.NAMES)}, got {dtype}")
         self.dtype, self.name = dtype, self.NAMES[dtype]
-        self.lossless = dtype == torch.float32
+        self.lossless = VALUE_FORMATS[self.name].lossless
 
     def nbytes(self, rows: int, cols: int) -> int:
         return _dim("rows", rows) * _dim("cols", cols) * self.dtype.itemsize
@@ -209,8 +240,6 @@ class SignCodec(ValueCodec):
     def __repr__(self) -> str:
         return f"SignCodec(scale={self.scale!r})"
 
-
-CODEC_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8", "sign")
 
 
 def get_codec(name: str) -> ValueCodec:

@@ -1,7 +1,9 @@
 """Value stages for the EF21 compressors: a flat float vector <-> bytes, sized by its length.
 
-A value stage is the last step of every EF21 compressor (`thinwire.compress.sparse`): a
-sparsifier picks what to send, the value stage decides in what precision. Stages:
+A value stage is the last step of every EF21 compressor (`thinwire.compress.ef21`): a
+sparsifier picks what to send, the value stage decides in what precision. The stages are
+the value formats of `thinwire.wire.VALUE_FORMATS`, all of them; every one but 'natural' is
+that format's `thinwire.wire` codec over the whole vector as one row (one scale):
 
     fp32     4 bytes/value, lossless
     bf16     2 bytes/value, round to nearest even   ||Q(v) - v||^2 <= 2^-16 ||v||^2
@@ -14,16 +16,17 @@ sparsifier picks what to send, the value stage decides in what precision. Stages
              Wire: packed_nbytes(n, 1) bytes of signs (`pack_signs`), then n exponent bytes.
 
 `error_factor` is the constant eps with (E)||Q(v) - v||^2 <= eps ||v||^2, or None when no
-such bound holds; the compressors use it for their contraction parameter alpha.
+such bound holds (the table's `ValueFormat.error_factor`); the compressors use it for their
+contraction parameter alpha.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..wire import get_codec, pack_signs, packed_nbytes, unpack_signs
+from ..wire import VALUE_FORMATS, get_codec, pack_signs, packed_nbytes, unpack_signs
 
-VALUE_STAGES = ("fp32", "bf16", "fp16", "int8", "sign", "natural")
+VALUE_STAGES: tuple[str, ...] = tuple(VALUE_FORMATS)
 _MANTISSA = 1 << 23
 
 
@@ -35,12 +38,10 @@ def generator(seed: int) -> torch.Generator:
 class CodecStage:
     """A `thinwire.wire` value codec applied to the whole vector as one row (one scale)."""
 
-    _ERROR = {"fp32": 0.0, "bf16": 2.0 ** -16, "fp16": 2.0 ** -22}
-
     def __init__(self, name: str):
         self.name, self.codec = name, get_codec(name)
-        self.lossless = self.codec.lossless
-        self.error_factor = self._ERROR.get(name)
+        self.lossless = VALUE_FORMATS[name].lossless
+        self.error_factor = VALUE_FORMATS[name].error_factor
 
     def nbytes(self, n: int) -> int:
         return self.codec.nbytes(1, n)
@@ -63,7 +64,8 @@ class NaturalCodec:
     non-finite value; a value within one binade of the float32 maximum may round up to inf.
     """
 
-    name, lossless, error_factor = "natural", False, 1.0 / 8.0
+    name = "natural"
+    lossless, error_factor = VALUE_FORMATS[name].lossless, VALUE_FORMATS[name].error_factor
 
     def nbytes(self, n: int) -> int:
         return packed_nbytes(n, 1) + n
@@ -89,8 +91,6 @@ class NaturalCodec:
 
 def get_value_stage(name: str):
     """The value stage called `name` (one of VALUE_STAGES)."""
-    if name == "natural":
-        return NaturalCodec()
-    if name in VALUE_STAGES:
-        return CodecStage(name)
-    raise ValueError(f"value stage must be one of {VALUE_STAGES}, got {name!r}")
+    if name not in VALUE_STAGES:
+        raise ValueError(f"value stage must be one of {VALUE_STAGES}, got {name!r}")
+    return CodecStage(name) if VALUE_FORMATS[name].codec else NaturalCodec()
