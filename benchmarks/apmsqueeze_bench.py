@@ -33,7 +33,7 @@ from shapes import MODELS
 
 from thinwire import DenseAllReduce
 from thinwire.comm import CommStats
-from thinwire.compress.onebit import compressed_allreduce, padded_numel
+from thinwire.comm.collectives import compressed_allreduce, padded_numel
 from thinwire.optim.apmsqueeze import APMSqueeze
 from thinwire.train import quickrun
 from thinwire.train.launch import launch

@@ -14,7 +14,7 @@ import torch
 
 from tests.optim import contract, problem
 from thinwire.comm import Communicator
-from thinwire.compress.onebit import compressed_allreduce
+from thinwire.comm.collectives import compressed_allreduce
 from thinwire.optim.apmsqueeze import APMSqueeze
 from thinwire.optim.protocol import read_headers, write_header
 

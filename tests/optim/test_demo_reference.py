@@ -91,7 +91,8 @@ def test_exact_mode_matches_reference_step_for_step(topk, domain):
     theirs = [p.detach().clone().requires_grad_(True) for p in ours]
     targets = [torch.randn(s) for s in SHAPES]
     opt = thinwire.DeMo(ours, lr=0.01, beta=0.999, alpha=1.0, topk=topk, chunk=64, transform="dct",
-                        base="signum", values="fp32", weight_decay=0.1, momentum_domain=domain)
+                        base="signum", values="fp32", weight_decay=0.1, momentum_domain=domain,
+                        momentum_form="reference")
     ref = ReferenceDeMo(theirs, lr=0.01, decay=0.999, topk=topk, weight_decay=0.1)
     for step in range(30):
         noise = [torch.randn(s) for s in SHAPES]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from thinwire.compress.onebit import padded_numel
+from thinwire.comm.collectives import padded_numel
 from thinwire.train.optimizers import OPTIMIZERS
 
 NAMES = ("adam", "apmsqueeze", "muon", "ef21-muon", "adamw", "lordo", "diloco")

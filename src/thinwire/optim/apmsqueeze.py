@@ -8,7 +8,7 @@ Every rank i, step t (g_i: this rank's gradient; W ranks; λ: decoupled weight d
       m ← β1 m + (1 − β1) g,   v ← β2 v + (1 − β2) g²
       θ ← θ (1 − η λ) − η m̂ / (sqrt(v̂) + ε)      m̂ = m / (1 − β1^t), v̂ = v / (1 − β2^t)
     (exactly torch.optim.AdamW on the averaged gradient); after step T_w, v is frozen.
-  compressed, t > T_w (`thinwire.compress.onebit.compressed_allreduce`, two collectives):
+  compressed, t > T_w (`thinwire.comm.collectives.compressed_allreduce`, two collectives):
       m_i = β1 m̄ + (1 − β1) g_i                   from the shared m̄ of the previous step
       m̄ = C[(1/W) Σ_j C[m_j + δ_j] + δ̄]           δ_i ← what this rank's C lost,
                                                    δ̄ ← what this server chunk's C lost
@@ -35,7 +35,7 @@ import warnings
 
 import torch
 
-from ..compress.onebit import compressed_allreduce, padded_numel
+from ..comm.collectives import compressed_allreduce, padded_numel
 from .base import CommunicatingOptimizer, flatten_grads
 from .protocol import (FLAG_NONFINITE, HEADER_NBYTES, NonFiniteGradientError, all_finite,
                        read_headers, write_header)

@@ -1,78 +1,233 @@
-"""What every thinwire optimizer shares: a communicator, its stats, and their checkpointing."""
+"""The step envelope every thinwire optimizer shares; an optimizer is its algorithm only.
+
+    step(closure)      closure (with grad) -> counters -> start_step() -> finish_step()
+    start_step()       layout (parameters with requires_grad and elements, group order);
+                       handshake when the layout or wire settings change (and after a
+                       load: the step travels with it); finiteness of this rank's gradients;
+                       the algorithm's exchange for this step (None: a local step); its local
+                       update and message (`_encode`); prefix sealed (step, flags, presence);
+                       the first collective issued
+    finish_step()      the exchange completed (`Delivery`): lockstep and malformed prefixes
+                       raise PeerMismatchError on every rank; a rank's non-finite gradients
+                       make every rank raise NonFiniteGradientError (nonfinite='raise') or
+                       skip the step (nonfinite='skip'); otherwise the algorithm applies what
+                       arrived (`_apply`). A parameter that had a gradient on no rank is left
+                       exactly as it was, its state included, as torch.optim leaves it.
+
+What the algorithm supplies: `_describe(layout)` (what every rank must share),
+`_exchange(step, layout)` (a sized exchange from `thinwire.optim.exchange`, or None),
+`_prepare(step, layout)` (create lazy state), `_encode(step, layout, exchange)`,
+`_apply(step, layout, delivery)`, and optionally `_local_views(p)` (state of p kept outside
+self.state[p]) and `_presence(layout)`.
+
+Non-finite gradients, the same on every optimizer: on a flagged step no parameter moves and
+no state is committed by `_apply` on any rank; what a healthy rank's `_encode` folded into
+its local state (DeMo's momentum) stays there and is sent later. On a local step (no
+exchange) the rank with the bad gradient skips its own update; with 'raise' it carries the
+flag into the next exchange, where every rank raises together.
+"""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from ..comm import CommStats, Communicator
-from .protocol import handshake
+from .protocol import FLAG_NONFINITE, NonFiniteGradientError, all_finite, check_nonfinite_policy, handshake
 
 STATS_KEY = "thinwire_comm_stats"
+STEP_KEY = "thinwire_step"
 
 
-def flatten_grads(params, buffer: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """Every parameter's gradient (zeros where it is None), in order, in one flat `dtype`
-    buffer: `buffer` itself when its size and dtype fit, so steps reuse one allocation."""
-    total = sum(p.numel() for p in params)
-    if buffer is None or buffer.numel() != total or buffer.dtype != dtype:
-        buffer = torch.empty(total, dtype=dtype, device=params[0].device)
+class Member(NamedTuple):
+    """One parameter of the layout: its param group and the tensor."""
+    group: dict
+    param: torch.Tensor
+
+
+def flatten_grads(params, buffer: torch.Tensor) -> torch.Tensor:
+    """Every parameter's gradient (zeros where it is None), in order, into the flat `buffer`."""
     offset = 0
     for p in params:
         view = buffer[offset: offset + p.numel()]
         if p.grad is None:
             view.zero_()
         else:
-            view.copy_(p.grad.reshape(-1))
+            view.view_as(p).copy_(p.grad)
         offset += p.numel()
     return buffer
 
 
 class CommunicatingOptimizer(torch.optim.Optimizer):
-    """A torch optimizer that talks to its peers through `self.comm`.
+    """A torch optimizer that talks to its peers through `self.comm`, inside the envelope above.
 
     `comm_stats` holds this rank's cumulative payload bytes, link bytes sent and received
     and collective count, and `comm_stats.last_step` the same four for the latest step.
-    `state_dict()` carries the stats too, so a resumed run keeps counting where it stopped.
+    `state_dict()` carries the stats and the step count, so a resumed run keeps counting
+    where it stopped.
     """
 
-    def _init_comm(self, process_group) -> None:
+    def _init_comm(self, process_group, nonfinite: str = "raise") -> None:
+        self.nonfinite = check_nonfinite_policy(nonfinite)
         self.comm = Communicator(process_group)
         self._agreed: str | None = None          # the description all ranks last agreed on
+        self._step = 0                           # steps taken (flagged ones included)
+        self._carried = 0                        # a local step's non-finite flag, for the next message
+        self._inflight = None
 
+    # ---- what the algorithm supplies ------------------------------------------------------
+    def _describe(self, layout: list[Member]) -> str:
+        raise NotImplementedError
+
+    def _exchange(self, step: int, layout: list[Member]):
+        raise NotImplementedError
+
+    def _prepare(self, step: int, layout: list[Member]) -> None:
+        """Create lazily initialised state before this step (default: nothing)."""
+
+    def _encode(self, step: int, layout: list[Member], exchange) -> None:
+        raise NotImplementedError
+
+    def _apply(self, step: int, layout: list[Member], delivery) -> None:
+        raise NotImplementedError
+
+    def _local_views(self, p: torch.Tensor) -> list[torch.Tensor]:
+        """State of p kept outside self.state[p] that its step may change (default: none)."""
+        return []
+
+    def _presence(self, layout: list[Member]) -> list[bool]:
+        """Which layout parameters this rank has something to send for: a gradient."""
+        return [m.param.grad is not None for m in layout]
+
+    # ---- the envelope ---------------------------------------------------------------------
     @property
     def params(self) -> list[torch.Tensor]:
-        """Every parameter in param-group order: the order of every flat buffer."""
+        """Every parameter in param-group order."""
         return [p for g in self.param_groups for p in g["params"]]
 
-    def _begin_step(self, closure) -> object:
-        """Run `closure` with gradients on (its loss is returned) and open this step's counters."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.comm.stats.begin_step()
-        return loss
+    def layout(self) -> list[Member]:
+        """The parameters that take part in steps: requires_grad and at least one element."""
+        return [Member(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad and p.numel()]
 
-    def _agree(self, description: str, extra: str = "") -> None:
-        """Handshake with every peer whenever `description` (layout, wire settings) changes:
-        a mismatch raises PeerMismatchError on every rank before any payload is sent.
-        `extra` travels in the handshake but is not remembered (e.g. the step after a load)."""
-        if description != self._agreed:
-            handshake(self.comm, f"{description} {extra}".rstrip())
-            self._agreed = description
+    @property
+    def steps_done(self) -> int:
+        return self._step
 
     @property
     def comm_stats(self) -> CommStats:
         return self.comm.stats
 
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.comm.stats.begin_step()
+        self.start_step()
+        self.finish_step()
+        return loss
+
+    def start_step(self) -> None:
+        """This step's local update and message, and its exchange started (not waited for)."""
+        if self._inflight is not None:
+            raise RuntimeError("the previous step's exchange is still in flight: call finish_step() first")
+        layout = self.layout()
+        self._agree(self._describe(layout), f"step={self._step}")
+        step, present = self._step + 1, self._presence(layout)
+        finite = all_finite(m.param.grad for m in layout if m.param.grad is not None)
+        exchange = self._exchange(step, layout)
+        self._prepare(step, layout)
+        if exchange is None:                                   # a local step: nobody to tell now
+            if finite:
+                self._encode(step, layout, None)
+            elif self.nonfinite == "raise":
+                self._carried = FLAG_NONFINITE
+            self._step = step
+            return
+        absent = [m.param for m, here in zip(layout, present) if not here]
+        snapshot = {p: [t.clone() for t in self._views(p)] for p in absent}
+        if finite:
+            self._encode(step, layout, exchange)
+        else:
+            exchange.payload.zero_()
+        exchange.seal(step, (0 if finite else FLAG_NONFINITE) | self._carried, present)
+        self._carried = 0
+        exchange.start()
+        self._inflight = (step, layout, exchange, snapshot)
+
+    def finish_step(self) -> None:
+        """Complete the exchange started by start_step() and apply it (or raise / skip)."""
+        if self._inflight is None:
+            return
+        step, layout, exchange, snapshot = self._inflight
+        self._inflight, self._step = None, step
+        delivery = exchange.finish(step)
+        try:
+            if delivery.flagged:
+                if self.nonfinite == "raise":
+                    raise NonFiniteGradientError(
+                        f"non-finite gradients on {delivery.flagged} at step {step}; no parameter was updated "
+                        f"on any rank ({type(self).__name__}(nonfinite='skip') skips such steps instead)")
+                return
+            self._apply(step, layout, delivery)
+        finally:
+            self._restore(layout, snapshot, delivery.present)
+
+    def flush(self) -> None:
+        """Finish an exchange still in flight (a no-op when none is)."""
+        self.finish_step()
+
+    def _views(self, p: torch.Tensor) -> list[torch.Tensor]:
+        return [p, *(v for v in self.state[p].values() if torch.is_tensor(v)), *self._local_views(p)]
+
+    def _restore(self, layout: list[Member], snapshot: dict, present: torch.Tensor) -> None:
+        """Parameters that had a gradient on no rank get their values and state back."""
+        for m, anywhere in zip(layout, present.tolist()):
+            if not anywhere and m.param in snapshot:
+                for view, saved in zip(self._views(m.param), snapshot[m.param]):
+                    view.copy_(saved)
+
+    def _agree(self, description: str, extra: str = "") -> None:
+        """Handshake with every peer whenever `description` (layout, wire settings) changes:
+        a mismatch raises PeerMismatchError on every rank before any payload is sent.
+        `extra` travels in the handshake but is not remembered (the step, after a load)."""
+        if description != self._agreed:
+            handshake(self.comm, f"{description} {extra}".rstrip())
+            self._agreed = description
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def _envelope_state(self) -> dict:
+        return {STATS_KEY: self.comm.stats.state_dict(), STEP_KEY: self._step}
+
+    def _load_envelope_state(self, state_dict: dict) -> None:
+        if STATS_KEY in state_dict:
+            self.comm.stats.load_state_dict(state_dict[STATS_KEY])
+        self._step = int(state_dict.get(STEP_KEY, 0))
+        self._agreed, self._carried, self._inflight = None, 0, None   # handshake again, with the loaded step
+
     def state_dict(self):
+        self.flush()
         state = super().state_dict()
-        state[STATS_KEY] = self.comm.stats.state_dict()
+        state.update(self._envelope_state())
         return state
 
     def load_state_dict(self, state_dict) -> None:
         state_dict = dict(state_dict)
-        stats = state_dict.pop(STATS_KEY, None)
+        envelope = {k: state_dict.pop(k) for k in (STATS_KEY, STEP_KEY) if k in state_dict}
         super().load_state_dict(state_dict)
-        if stats is not None:
-            self.comm.stats.load_state_dict(stats)
+        keep_saved_dtypes(self, state_dict)
+        self._load_envelope_state(envelope)
+
+
+def keep_saved_dtypes(opt: torch.optim.Optimizer, state_dict: dict) -> None:
+    """torch casts floating state to each parameter's dtype on load; thinwire's state has the
+    dtype it was created with (float32 momenta beside bf16 parameters): put it back."""
+    ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for pid, p in zip(ids, params):
+        for key, saved in state_dict["state"].get(pid, {}).items():
+            now = opt.state[p].get(key)
+            if torch.is_tensor(saved) and torch.is_tensor(now) and now.dtype != saved.dtype:
+                opt.state[p][key] = now.to(saved.dtype)

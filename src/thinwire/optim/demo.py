@@ -1,22 +1,25 @@
 """DeMo: decoupled momentum optimisation (Peng et al., arXiv 2411.19870, ICLR 2026).
 
-Per parameter, on every rank i, each step t (equations of the paper, in the arithmetic of
-the reference implementation bloc97/DeMo):
+Per parameter, on every rank i, each step t (the paper's equations; `momentum_form`
+'ema', the default):
 
     θ ← θ (1 − η λ)                                  decoupled weight decay
-    M_i ← β M_i + η g_i                              local momentum (η inside, as the reference)
+    M_i ← β M_i + (1 − β) g_i                        local momentum, η applied at the update
     Q_i = Top-k per chunk of T(M_i)                  T: chunked orthonormal transform
     M_i ← M_i − α T⁻¹(Q̂_i)                          momentum subtraction = error feedback;
                                                      Q̂_i is Q_i as the wire delivers it, so
                                                      value quantisation loss stays in M_i
     Δ = T⁻¹( mean_j Q̂_j )                           all ranks' messages, one all-gather per step
-    θ ← θ − η φ(Δ)                                   φ: sign (signum), NS-orthogonalise (muon)
-    θ ← θ − Δ                                        φ = identity (sgd): η is already inside M
+    θ ← θ − η φ(Δ)                                   φ: sign (signum), √(rows/cols)·NS (muon),
+                                                     identity (sgd)
 
-With transform='dct', alpha=1, base='signum', values='fp32' and one worker this is the
-reference's arithmetic step for step (momentum_domain='param' operation by operation; the
-default keeps T(M) instead, which agrees to float rounding). Differences from the
-reference, each for a reason: the aggregate averages over all ranks (aggregate='senders' gives the reference's
+momentum_form='reference' is the arithmetic of the reference implementation bloc97/DeMo:
+M_i ← β M_i + η g_i (η inside the momentum, so a step at lr 0 drops its gradient and a
+decaying lr reweights the past), and for φ = identity θ ← θ − Δ. With transform='dct',
+alpha=1, base='signum', values='fp32', momentum_form='reference' and one worker this is the
+reference step for step (momentum_domain='param' operation by operation; the default keeps
+T(M) instead, which agrees to float rounding). Differences from the reference, each for a
+reason: the aggregate averages over all ranks (aggregate='senders' gives the reference's
 mean-over-senders); a dimension with no divisor in [chunk/2, chunk] is zero-padded rather
 than chunked by 1; indices travel bit-packed and values in `values` precision; all
 parameters share one all-gather; the momentum lives in `self.state[p]['momentum']`.
@@ -27,18 +30,29 @@ parameters share one all-gather; the momentum lives in `self.state[p]['momentum'
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..compress import AGGREGATIONS, TRANSFORMS, ChunkedTopK, Payload
-from ..ops import muon_scale, orthogonalize
-from .base import CommunicatingOptimizer
-from .protocol import (HEADER_NBYTES, FLAG_NONFINITE, NonFiniteGradientError, all_finite,
-                       check_nonfinite_policy, read_headers, write_header)
+from ..ops import add_sign_, add_spectral_
+from ..wire import CODEC_NAMES
+from .base import CommunicatingOptimizer, Member
+from .exchange import GatherAll
 
 BASES = ("signum", "sgd", "muon")
-VALUES = ("fp32", "bf16", "int8", "sign")
 DOMAINS = ("auto", "param", "transform")
-_WIRE_KEYS = ("topk", "chunk", "transform", "values", "seed", "aggregate", "base", "momentum_domain")
+MOMENTUM_FORMS = ("ema", "reference")
+_WIRE_KEYS = ("topk", "chunk", "transform", "values", "seed", "aggregate", "base", "momentum_domain", "momentum_form")
+
+
+class Slot(NamedTuple):
+    """One parameter's place in the message: its group, tensor, compressor and byte range."""
+    group: dict
+    param: torch.Tensor
+    comp: ChunkedTopK
+    offset: int
+    nbytes: int
 
 
 def _check_group(g: dict) -> None:
@@ -53,8 +67,9 @@ def _check_group(g: dict) -> None:
         value = g[name]
         if isinstance(value, bool) or int(value) != value or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    for name, valid in (("transform", TRANSFORMS), ("base", BASES), ("values", VALUES),
-                        ("aggregate", AGGREGATIONS), ("momentum_domain", DOMAINS)):
+    for name, valid in (("transform", TRANSFORMS), ("base", BASES), ("values", CODEC_NAMES),
+                        ("aggregate", AGGREGATIONS), ("momentum_domain", DOMAINS),
+                        ("momentum_form", MOMENTUM_FORMS)):
         if g[name] not in valid:
             raise ValueError(f"{name} must be one of {valid}, got {g[name]!r}")
     if g["momentum_domain"] == "transform" and g["transform"] == "random":
@@ -69,6 +84,11 @@ def momentum_in_transform(group: dict) -> bool:
     return domain == "transform" or (domain == "auto" and group["transform"] != "random")
 
 
+def gradient_weight(group: dict) -> float:
+    """The weight of g in M ← βM + w·g: 1 − β (the paper's EMA) or η (the reference's)."""
+    return group["lr"] if group["momentum_form"] == "reference" else 1.0 - group["beta"]
+
+
 def _check_momentum(m: torch.Tensor, p: torch.Tensor, comp: ChunkedTopK, group: dict) -> None:
     """A loaded momentum must have this group's layout: a state_dict from another
     momentum_domain or chunk size would otherwise be misread, not rejected."""
@@ -80,16 +100,15 @@ def _check_momentum(m: torch.Tensor, p: torch.Tensor, comp: ChunkedTopK, group: 
                          "was the state_dict saved with other settings?")
 
 
-def apply_base(p: torch.Tensor, delta: torch.Tensor, lr: float, base: str) -> None:
-    """θ ← θ − η φ(Δ) (or θ ← θ − Δ for sgd, whose momentum already carries η)."""
+def apply_base(p: torch.Tensor, delta: torch.Tensor, group: dict) -> None:
+    """θ ← θ − η φ(Δ); for φ = identity with the reference's momentum form, θ ← θ − Δ."""
+    lr, base = group["lr"], group["base"]
     if base == "sgd":
-        p.sub_(delta.to(p.dtype))
+        p.sub_(delta.to(p.dtype), alpha=1.0 if group["momentum_form"] == "reference" else lr)
     elif base == "muon" and p.dim() >= 2:
-        matrix = delta.reshape(p.shape[0], -1)                 # conv (o, i, kh, kw) -> (o, i*kh*kw)
-        update = orthogonalize(matrix).view(p.shape).to(p.dtype)
-        p.add_(update, alpha=-lr * muon_scale(matrix.shape))
+        add_spectral_(p, delta, -lr)
     else:  # signum, and muon's fallback for vectors and scalars
-        p.add_(delta.sign_().to(p.dtype), alpha=-lr)            # delta is ours: sign it in place
+        add_sign_(p, delta, -lr)
 
 
 class DeMo(CommunicatingOptimizer):
@@ -104,6 +123,8 @@ class DeMo(CommunicatingOptimizer):
         weight_decay: decoupled λ. values: wire precision — 'fp32' | 'bf16' | 'int8' | 'sign'.
         aggregate: 'mean' over ranks, or 'senders' (the reference's mean over ranks that sent
             a coefficient). seed: shared seed of the random transform.
+        momentum_form: 'ema' (default, the paper's M ← βM + (1 − β)g, η at the update) or
+            'reference' (bloc97/DeMo's M ← βM + ηg).
         momentum_domain: 'auto' (default: 'transform' for the fixed bases 'dct' and
             'identity', 'param' for 'random'), 'param' (the reference's arithmetic, M has the
             parameter's shape and dtype) or 'transform': M is kept as its chunk coefficients
@@ -116,22 +137,22 @@ class DeMo(CommunicatingOptimizer):
             both cases no parameter moves that step, on any rank, and healthy ranks keep the
             step's gradient in their momentum (to be sent later).
         process_group: torch.distributed group (default: world; none needed for one process).
-    Gradients that are None count as zero, so every rank sends the same layout.
+    A rank without a gradient for a parameter that another rank has one for counts it as
+    zero (its momentum decays); a parameter with a gradient on no rank does not move.
     """
 
     def __init__(self, params, lr: float = 1e-3, beta: float = 0.999, alpha: float = 1.0, topk: int = 32,
                  chunk: int = 64, transform: str = "dct", base: str = "signum", weight_decay: float = 0.0,
                  values: str = "bf16", aggregate: str = "mean", momentum_domain: str = "auto", seed: int = 0,
-                 nonfinite: str = "raise", process_group=None):
-        self.nonfinite = check_nonfinite_policy(nonfinite)
+                 nonfinite: str = "raise", momentum_form: str = "ema", process_group=None):
         defaults = dict(lr=lr, beta=beta, alpha=alpha, topk=topk, chunk=chunk, transform=transform, base=base,
                         weight_decay=weight_decay, values=values, aggregate=aggregate,
-                        momentum_domain=momentum_domain, seed=seed)
+                        momentum_domain=momentum_domain, momentum_form=momentum_form, seed=seed)
         _check_group(defaults)
         super().__init__(params, defaults)
-        self._init_comm(process_group)
+        self._init_comm(process_group, nonfinite)
         self._compressors: dict[tuple, ChunkedTopK] = {}
-        self._send: torch.Tensor | None = None   # reused message buffer
+        self._message = GatherAll(self.comm)
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None   # reused transform scratch
 
     def add_param_group(self, param_group: dict) -> None:
@@ -139,108 +160,88 @@ class DeMo(CommunicatingOptimizer):
         super().add_param_group(param_group)
 
     def compressor(self, group: dict) -> ChunkedTopK:
-        key = tuple(group[k] for k in ("topk", "chunk", "transform", "values", "seed"))
-        key = (int(key[0]), int(key[1]), *key[2:])
+        key = (int(group["topk"]), int(group["chunk"]), group["transform"], group["values"], group["seed"])
         if key not in self._compressors:
             self._compressors[key] = ChunkedTopK(*key)
         return self._compressors[key]
 
-    def _layout(self) -> tuple[list, int]:
-        """[(group, p, compressor, offset, nbytes)] in group order, and the message size."""
-        entries, offset = [], HEADER_NBYTES
-        for group in self.param_groups:
+    def _slots(self, layout: list[Member]) -> list[Slot]:
+        slots, offset = [], 0
+        for group, p in layout:
             comp = self.compressor(group)
-            for p in group["params"]:
-                n = comp.payload_nbytes(p.shape)
-                entries.append((group, p, comp, offset, n))
-                offset += n
-        return entries, offset
+            n = comp.payload_nbytes(p.shape)
+            slots.append(Slot(group, p, comp, offset, n))
+            offset += n
+        return slots
 
-    def _describe(self, entries) -> str:
-        lines = [f"world_size={self.comm.world_size}"]
-        for group, p, _, offset, n in entries:
+    def _describe(self, layout: list[Member]) -> str:
+        lines = [f"demo world_size={self.comm.world_size}"]
+        for group, p, _, offset, n in self._slots(layout):
             wire = ",".join(f"{k}={group[k]}" for k in _WIRE_KEYS)
             lines.append(f"{tuple(p.shape)} {p.dtype} {wire} @{offset}+{n}")
         return "\n".join(lines)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._begin_step(closure)
-        entries, nbytes = self._layout()
-        description = self._describe(entries)
-        self._agree(description)
-        if self._send is None or self._send.numel() != nbytes:
-            self._send = torch.empty(nbytes, dtype=torch.uint8, device=entries[0][1].device)
-        step = self._advance_step(entries)
-        finite = all_finite(p.grad for _, p, *_ in entries if p.grad is not None)
-        write_header(self._send, step, 0 if finite else FLAG_NONFINITE)
-        if finite:
-            self._encode(entries, step)
-        else:
-            self._send[HEADER_NBYTES:].zero_()
-        gathered = self.comm.all_gather(self._send)                     # [world, nbytes]
-        bad_ranks = read_headers(gathered[:, :HEADER_NBYTES], step).tolist()
-        if bad_ranks:
-            if self.nonfinite == "raise":
-                raise NonFiniteGradientError(
-                    f"non-finite gradients on rank(s) {bad_ranks} at step {step}; no parameter was "
-                    "updated on any rank (DeMo(nonfinite='skip') skips such steps instead)")
-            return loss
-        self._apply(entries, gathered, step)
-        return loss
+    def _exchange(self, step: int, layout: list[Member]) -> GatherAll:
+        slots = self._slots(layout)
+        nbytes = sum(s.nbytes for s in slots)
+        self._message.resize(len(layout), nbytes, layout[0].param.device)
+        return self._message
 
-    def _advance_step(self, entries) -> int:
-        for group, p, comp, *_ in entries:
+    def _prepare(self, step: int, layout: list[Member]) -> None:
+        for group, p in layout:
             state = self.state[p]
-            if not state:
-                state["step"] = 0
-                if momentum_in_transform(group):
-                    plan = comp.plan(p.shape)                   # coefficients in image layout, padding included
+            comp = self.compressor(group)
+            if "momentum" not in state:
+                if momentum_in_transform(group):                # coefficients in image layout, padding included
+                    plan = comp.plan(p.shape)
                     state["momentum"] = torch.zeros(plan.padded_rows, plan.padded_cols, device=p.device)
                 else:
                     state["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             _check_momentum(state["momentum"], p, comp, group)
-            state["step"] += 1
-        return self.state[entries[0][1]]["step"]
 
-    def _scratch(self, entries) -> tuple[torch.Tensor, torch.Tensor]:
+    def _scratch(self, slots: list[Slot]) -> tuple[torch.Tensor, torch.Tensor]:
         """Two flat float32 buffers, each the size of the largest padded parameter, kept
         across steps: the transforms' intermediates go there instead of fresh tensors."""
-        numel = max(comp.plan(p.shape).padded_numel for _, p, comp, *_ in entries)
-        device = entries[0][1].device
+        numel = max(s.comp.plan(s.param.shape).padded_numel for s in slots)
+        device = slots[0].param.device
         if self._buffers is None or self._buffers[0].numel() < numel or self._buffers[0].device != device:
             self._buffers = tuple(torch.empty(numel, device=device) for _ in range(2))
         return self._buffers
 
-    def _encode(self, entries, step: int) -> None:
-        """M ← βM + ηg, then write each parameter's top-k payload into the message buffer."""
-        a, b = self._scratch(entries)
-        for group, p, comp, offset, n in entries:
-            m, plan, out = self.state[p]["momentum"], comp.plan(p.shape), self._send[offset: offset + n]
-            beta, lr = group["beta"], group["lr"]
-            if momentum_in_transform(group):                # T is linear: T(βM + ηg) = βT(M) + ηT(g)
+    def _encode(self, step: int, layout: list[Member], exchange: GatherAll) -> None:
+        """M ← βM + w·g (w: `gradient_weight`), then each parameter's top-k payload into the message."""
+        slots = self._slots(layout)
+        a, b = self._scratch(slots)
+        payload = exchange.payload
+        for group, p, comp, offset, n in slots:
+            m, plan, out = self.state[p]["momentum"], comp.plan(p.shape), payload[offset: offset + n]
+            beta, weight = group["beta"], gradient_weight(group)
+            if momentum_in_transform(group):                # T is linear: T(βM + wg) = βT(M) + wT(g)
                 if p.grad is None:
                     m.mul_(beta)
                 else:                                       # one batched GEMM does the decay and the add
                     comp.transform.forward_image(plan.transform_input(p.grad, a), plan, step, out=m, scratch=b,
-                                                 beta=beta, alpha=lr)
+                                                 beta=beta, alpha=weight)
                 comp.write(comp.select(m, p.shape, scratch=a), p.shape, out=out)
                 continue
-            m.mul_(beta)
+            m.mul_(beta)                                    # M ← βM + w·g
             if p.grad is not None:
-                m.add_(p.grad, alpha=lr)
+                m.add_(p.grad, alpha=weight)
             image = comp.transform.forward_image(plan.transform_input(m, a), plan, step, out=plan.matrix_in(a), scratch=b)
             comp.write(comp.select(image, p.shape, scratch=b), p.shape, out=out)
 
-    def _apply(self, entries, gathered: torch.Tensor, step: int) -> None:
-        a, b = self._scratch(entries)
-        for group, p, comp, offset, n in entries:
+    def _apply(self, step: int, layout: list[Member], delivery) -> None:
+        slots = self._slots(layout)
+        a, b = self._scratch(slots)
+        gathered = delivery.data                                                # [world, payload bytes]
+        for (group, p, comp, offset, n), anywhere in zip(slots, delivery.present.tolist()):
+            if not anywhere:
+                continue
             spec = comp.payload_spec(p.shape)
             reads = [comp.read(Payload.from_buffer(gathered[r, offset: offset + n], spec), p.shape)
                      for r in range(gathered.shape[0])]                       # validated, rank order
-            # M ← M − α·(what the wire delivered of this rank's message)
             m, own = self.state[p]["momentum"], reads[self.comm.rank]
-            if momentum_in_transform(group):
+            if momentum_in_transform(group):                # M ← M − α·(what the wire delivered of ours)
                 comp.scatter(m, own, p.shape, alpha=-group["alpha"])       # sparse: no transform needed
                 plan = comp.plan(p.shape)
                 if plan.padded:   # what the message puts in the padding is dropped, as the param domain crops it
@@ -248,6 +249,6 @@ class DeMo(CommunicatingOptimizer):
             else:
                 m.sub_(comp.aggregate([own], p.shape, step, out=a, scratch=b), alpha=group["alpha"])
             delta = comp.aggregate(reads, p.shape, step, group["aggregate"], out=a, scratch=b)
-            if group["weight_decay"]:
+            if group["weight_decay"]:                       # θ ← θ(1 − ηλ)
                 p.mul_(1.0 - group["lr"] * group["weight_decay"])
-            apply_base(p, delta, group["lr"], group["base"])
+            apply_base(p, delta, group)

@@ -6,7 +6,9 @@
 All gradients travel in one flat buffer of `grad_dtype` (fp32 or bf16; state it in every
 comparison) through one all-reduce per step, counted by the same communicator as every
 thinwire optimizer. Several optimizers can share the all-reduce (e.g. torch.optim.Muon for
-matrices and AdamW for the rest): pass a list. Gradients that are None count as zero.
+matrices and AdamW for the rest): pass a list. A rank without a gradient for a parameter
+that another rank has one for counts it as zero; a parameter with a gradient on no rank
+keeps `grad = None`, so the wrapped optimizer leaves it alone, as it would without us.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from typing import Sequence
 
 import torch
 
-from .base import STATS_KEY, CommunicatingOptimizer, flatten_grads
-from .protocol import NonFiniteGradientError, check_nonfinite_policy
+from .base import CommunicatingOptimizer, Member, flatten_grads
+from .exchange import ReduceAll
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -25,9 +27,8 @@ class DenseAllReduce(CommunicatingOptimizer):
     """Wraps torch optimizers; their param groups and state are this object's own (shared),
     so LR schedulers and `state_dict()` work on it as on the wrapped optimizer.
 
-    nonfinite: 'raise' (default) or 'skip' when the averaged gradient is not finite (which
-    is the case whenever any rank's gradient is); all ranks decide on the same reduced
-    buffer, so they raise or skip together.
+    nonfinite: 'raise' (default) or 'skip' when any rank's gradients (or their sum) are not
+    finite; every rank decides on the same reduced trailer, so they raise or skip together.
     """
 
     def __init__(self, optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
@@ -38,15 +39,15 @@ class DenseAllReduce(CommunicatingOptimizer):
         if grad_dtype not in GRAD_DTYPES:
             raise ValueError(f"grad_dtype must be one of {GRAD_DTYPES}, got {grad_dtype}")
         self.optimizers, self.grad_dtype = inner, grad_dtype
-        self.nonfinite = check_nonfinite_policy(nonfinite)
         # Share the wrapped optimizers' group dicts (not copies), so an LR scheduler on this
         # object changes the learning rate the wrapped step uses.
         super().__init__([g for o in inner for g in o.param_groups], {})
-        self._init_comm(process_group)
-        self._buffer: torch.Tensor | None = None
+        self._init_comm(process_group, nonfinite)
+        self._message = ReduceAll(self.comm)
 
     def state_dict(self):
-        return {"optimizers": [o.state_dict() for o in self.optimizers], STATS_KEY: self.comm.stats.state_dict()}
+        self.flush()
+        return {"optimizers": [o.state_dict() for o in self.optimizers], **self._envelope_state()}
 
     def load_state_dict(self, state_dict) -> None:
         inner = state_dict.get("optimizers")
@@ -57,34 +58,31 @@ class DenseAllReduce(CommunicatingOptimizer):
             opt.load_state_dict(state)
         # load_state_dict gives the wrapped optimizers new group dicts: share those instead.
         self.param_groups = [g for o in self.optimizers for g in o.param_groups]
-        if STATS_KEY in state_dict:
-            self.comm.stats.load_state_dict(state_dict[STATS_KEY])
+        self._load_envelope_state(state_dict)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._begin_step(closure)
-        params = self.params
-        self._agree(f"world_size={self.comm.world_size} dense {self.grad_dtype} "
-                    + " ".join(str(tuple(p.shape)) for p in params))
-        flat = self._buffer = flatten_grads(params, self._buffer, self.grad_dtype)
-        self.comm.all_reduce(flat)
-        if not bool(torch.isfinite(flat).all()):
-            if self.nonfinite == "raise":
-                raise NonFiniteGradientError("non-finite averaged gradient: some rank's gradients are not "
-                                             "finite; no parameter was updated on any rank")
-            return loss
-        flat.div_(self.comm.world_size)
-        self._unflatten(flat, params)
+    def _describe(self, layout: list[Member]) -> str:
+        return f"dense world_size={self.comm.world_size} {self.grad_dtype} " + " ".join(
+            f"{tuple(p.shape)}" for _, p in layout)
+
+    def _exchange(self, step: int, layout: list[Member]) -> ReduceAll:
+        numel = sum(p.numel() for _, p in layout)
+        self._message.resize(len(layout), numel, self.grad_dtype, layout[0].param.device)
+        return self._message
+
+    def _encode(self, step: int, layout: list[Member], exchange: ReduceAll) -> None:
+        flatten_grads([p for _, p in layout], exchange.payload)
+
+    def _apply(self, step: int, layout: list[Member], delivery) -> None:
+        """Every parameter with a gradient somewhere gets the mean; then the wrapped steps."""
+        mean, offset = delivery.data, 0
+        for (_, p), anywhere in zip(layout, delivery.present.tolist()):
+            part = mean[offset: offset + p.numel()].view(p.shape)
+            offset += p.numel()
+            if not anywhere:
+                continue
+            if p.grad is None:
+                p.grad = part.to(p.dtype).clone(memory_format=torch.preserve_format)
+            else:
+                p.grad.copy_(part)
         for o in self.optimizers:
             o.step()
-        return loss
-
-    def _unflatten(self, flat: torch.Tensor, params) -> None:
-        offset = 0
-        for p in params:
-            chunk = flat[offset: offset + p.numel()].view(p.shape)
-            if p.grad is None:
-                p.grad = chunk.to(p.dtype).clone()
-            else:
-                p.grad.copy_(chunk)
-            offset += p.numel()

@@ -1,5 +1,6 @@
-"""Two-phase 1-bit compressed all-reduce with worker and server error feedback (the
-collective of APMSqueeze / 1-bit Adam), as free functions over a `Communicator`.
+"""Compressed collectives built on the `Communicator`: the two-phase 1-bit all-reduce with
+worker and server error feedback (the collective of APMSqueeze / 1-bit Adam), and the
+lossy parameter-delta codec that LoRDO and DiLoCo synchronise with.
 
 W ranks hold a flat float32 buffer x of N elements, N a multiple of 8W (`padded_numel`),
 cut into W chunks of c = N / W elements; chunk j belongs to "server" rank j.
@@ -41,8 +42,8 @@ from typing import Callable
 
 import torch
 
-from ..comm import Communicator
-from ..wire import SignCodec, pack_signs
+from ..wire import SignCodec, get_codec, pack_signs
+from .communicator import Communicator
 
 SCALE_NBYTES = 4
 _RMS = SignCodec("rms")   # overflow-safe sqrt(mean x^2), taken relative to max |x|: the slow fallback
@@ -119,41 +120,82 @@ def sign_message(y: torch.Tensor, h: int = 0, workspace: dict | None = None, nam
     return send, scales
 
 
+class OneBitAllReduce:
+    """The module docstring's collective, split where the envelope needs it: `start` issues
+    phase 1 (asynchronously); `wait_headers` returns every rank's header bytes once phase 1
+    arrived, before any state changes; then either `abandon` (a flagged step: no error
+    buffer is touched) or `finish` (worker and server errors updated in place, phase 2 run,
+    m̄ returned)."""
+
+    def __init__(self, comm: Communicator, tag: str = "payload", workspace: dict | None = None):
+        self.comm, self.tag = comm, tag
+        self.workspace = {} if workspace is None else workspace
+        self._state = None
+
+    def start(self, x: torch.Tensor, worker_error: torch.Tensor, header: torch.Tensor | None = None) -> None:
+        """x, worker_error: float32 [N], N a multiple of 8W; header: uint8 bytes prefixed to every chunk."""
+        w, n = self.comm.world_size, x.numel()
+        if n % (8 * w) or worker_error.numel() != n:
+            raise ValueError(f"x and worker_error need N = a multiple of 8W = {8 * w} elements; "
+                             f"got {n} and {worker_error.numel()}")
+        c, h, ws = n // w, 0 if header is None else header.numel(), self.workspace
+        # y = x + e_w, [W, c]: chunk j goes to server rank j
+        y = torch.add(x, worker_error, out=_buf(ws, "y", (n,), torch.float32, x.device)).view(w, c)
+        send, scales = sign_message(y, h, ws, "send1")
+        if h:
+            send[:, :h] = header
+        pending = self.comm.all_to_all(send.view(-1), tag=self.tag, send_own=False, async_op=True)
+        self._state = (pending, y, send, scales, h)
+
+    def wait_headers(self) -> torch.Tensor:
+        pending, *rest = self._state
+        received = pending.wait()                                   # [W, H + 4 + c/8], from rank i
+        self._state = (received, *rest)
+        return received[:, :rest[-1]]
+
+    def abandon(self) -> None:
+        self._state = None
+
+    def finish(self, worker_error: torch.Tensor, server_error: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        received, y, send, scales, h = self._state
+        self._state, ws = None, self.workspace
+        w, c = y.shape
+        if server_error.numel() != c:
+            raise ValueError(f"server_error needs N / W = {c} elements, got {server_error.numel()}")
+        dev = y.device
+        y_hat = decode_signs(scales, send[:, h + SCALE_NBYTES:], out=_buf(ws, "decoded", (w, c), torch.float32, dev))
+        torch.sub(y, y_hat, out=worker_error.view(w, c))             # e_w ← y − ŷ, ŷ decoded from the bytes sent
+        z = server_mean(received, h, ws).add_(server_error)          # z = mean_i ŷ_i + e_s
+        send2, z_scale = sign_message(z.view(1, c), 0, ws, "send2")
+        gathered = self.comm.all_gather(send2.view(-1), tag=self.tag)    # [W, 4 + c/8], rank order
+        z_hat = decode_signs(z_scale, send2[:, SCALE_NBYTES:], out=_buf(ws, "decoded_z", (1, c), torch.float32, dev))
+        torch.sub(z, z_hat.view(c), out=server_error)                # e_s ← z − ẑ
+        if out is None:
+            out = torch.empty(w * c, dtype=torch.float32, device=dev)
+        decode_signs(_read_scales(gathered[:, :SCALE_NBYTES]), gathered[:, SCALE_NBYTES:], out=out.view(w, c))
+        return out
+
+
 def compressed_allreduce(comm: Communicator, x: torch.Tensor, worker_error: torch.Tensor,
                          server_error: torch.Tensor, header: torch.Tensor | None = None,
                          check: Callable[[torch.Tensor], None] | None = None, tag: str = "payload",
                          workspace: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The mean of every rank's x, 1-bit compressed twice with error feedback (module docstring).
+    """The mean of every rank's x, 1-bit compressed twice with error feedback, in one call.
 
-    x, worker_error: float32 [N], N = padded_numel(...); server_error: float32 [N / W].
-    header: uint8 bytes prefixed to every phase-1 chunk; check(headers [W, H]) runs on every
-    rank between the phases and may raise (all ranks see the same headers, so all raise), in
-    which case nothing was modified. Otherwise worker_error and server_error are updated in
-    place and m̄ [N] is returned (in `out` when given).
-    """
-    w, n = comm.world_size, x.numel()
-    if n % (8 * w) or worker_error.numel() != n or server_error.numel() != n // w:
-        raise ValueError(f"x and worker_error need N = a multiple of 8W = {8 * w} elements and "
-                         f"server_error N / W; got {n}, {worker_error.numel()}, {server_error.numel()}")
-    c, h, dev = n // w, 0 if header is None else header.numel(), x.device
-    y = torch.add(x, worker_error, out=_buf(workspace, "y", (n,), torch.float32, dev)).view(w, c)
-    send, scales = sign_message(y, h, workspace, "send1")
-    if h:
-        send[:, :h] = header
-    received = comm.all_to_all(send.view(-1), tag=tag, send_own=False)  # [W, H + 4 + c/8], from rank i
+    check(headers [W, H]) runs on every rank between the phases and may raise (all ranks see
+    the same headers, so all raise), in which case nothing was modified. Otherwise
+    worker_error and server_error are updated in place and m̄ [N] is returned."""
+    reduce = OneBitAllReduce(comm, tag, workspace)
+    reduce.start(x, worker_error, header)
+    headers = reduce.wait_headers()
     if check is not None:
-        check(received[:, :h])
-    y_hat = decode_signs(scales, send[:, h + SCALE_NBYTES:], out=_buf(workspace, "decoded", (w, c), torch.float32, dev))
-    torch.sub(y, y_hat, out=worker_error.view(w, c))                   # ŷ decoded from the bytes sent
-    z = server_mean(received, h, workspace).add_(server_error)
-    send2, z_scale = sign_message(z.view(1, c), 0, workspace, "send2")
-    gathered = comm.all_gather(send2.view(-1), tag=tag)                 # [W, 4 + c/8], rank order
-    z_hat = decode_signs(z_scale, send2[:, SCALE_NBYTES:], out=_buf(workspace, "decoded_z", (1, c), torch.float32, dev))
-    torch.sub(z, z_hat.view(c), out=server_error)
-    if out is None:
-        out = torch.empty(n, dtype=torch.float32, device=dev)
-    decode_signs(_read_scales(gathered[:, :SCALE_NBYTES]), gathered[:, SCALE_NBYTES:], out=out.view(w, c))
-    return out
+        try:
+            check(headers)
+        except BaseException:
+            reduce.abandon()
+            raise
+    return reduce.finish(worker_error, server_error, out)
 
 
 def server_mean(received: torch.Tensor, h: int = 0, workspace: dict | None = None) -> torch.Tensor:
@@ -166,3 +208,46 @@ def server_mean(received: torch.Tensor, h: int = 0, workspace: dict | None = Non
     for row in decoded[1:]:   # W rows, not elements: a fixed, documented summation order
         total.add_(row)
     return total.div_(w)
+
+
+DELTA_WIRES = ("fp32", "bf16", "int8")
+INT8_BLOCK = 256          # values per int8 scale
+
+
+class DeltaCodec:
+    """A flat float32 vector <-> bytes for the lossy parameter-delta syncs of LoRDO and
+    DiLoCo: 'bf16', or 'int8' with one fp32 scale per block of 256 values (zero-padded).
+
+    A compressed sum cannot be re-quantised at every ring hop without losing more, so each
+    rank all-gathers its encoded vector and every rank decodes all rows in rank order and
+    sums them in float32 in that order (`mean`): deterministic, so replicas stay identical.
+    """
+
+    def __init__(self, wire: str):
+        if wire not in DELTA_WIRES[1:]:
+            raise ValueError(f"a lossy delta wire must be one of {DELTA_WIRES[1:]}, got {wire!r}")
+        self.wire, self.codec = wire, get_codec(wire)
+
+    def _grid(self, n: int) -> tuple[int, int]:
+        return (math.ceil(n / INT8_BLOCK), INT8_BLOCK) if self.wire == "int8" else (1, n)
+
+    def nbytes(self, n: int) -> int:
+        return self.codec.nbytes(*self._grid(n))
+
+    def encode(self, x: torch.Tensor, out: torch.Tensor, error: torch.Tensor | None = None) -> None:
+        """x [n] float32 -> out [nbytes]; error ← x − what receivers decode (when given)."""
+        n = x.numel()
+        rows, cols = self._grid(n)
+        grid = torch.zeros(rows * cols, dtype=torch.float32, device=x.device)
+        grid[:n].copy_(x)
+        self.codec.encode(grid.view(rows, cols), out=out)
+        if error is not None:
+            torch.sub(x, self.codec.decode(out, rows, cols).view(-1)[:n], out=error)
+
+    def mean(self, rows_bytes: torch.Tensor, n: int) -> torch.Tensor:
+        """[W, nbytes] encoded rows -> their mean [n] float32, summed in rank order."""
+        rows, cols = self._grid(n)
+        total = torch.zeros(n, dtype=torch.float32, device=rows_bytes.device)
+        for row in rows_bytes:                      # ranks, not elements
+            total += self.codec.decode(row, rows, cols).view(-1)[:n]
+        return total.div_(rows_bytes.shape[0])

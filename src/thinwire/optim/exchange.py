@@ -1,0 +1,197 @@
+"""How one step's messages cross the wire: the exchanges the step envelope drives.
+
+An exchange is started and finished by two separate calls, so the envelope can leave it
+running (`start()` issues the first collective asynchronously; `finish()` waits, runs any
+further phases and returns a `Delivery`). Each owns its send buffer, reused across steps;
+the algorithm writes its payload after the prefix, the envelope seals the prefix.
+
+    GatherAll     one all_gather of a uint8 message (DeMo, EF21-Muon replicated, lossy syncs)
+    ReduceAll     one all_reduce of a float buffer with a float trailer (dense baselines,
+                  APMSqueeze's warmup, fp32 parameter-delta syncs)
+    OneBitReduce  APMSqueeze's 1-bit all_to_all + all_gather (`thinwire.comm.collectives`)
+    ServerRelay   gather to rank 0, a server step there, broadcast of its answer (EF21-Muon)
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from ..comm import Communicator
+from ..comm.collectives import OneBitAllReduce
+from .protocol import (FLAG_NONFINITE, PeerMismatchError, prefix_nbytes, read_headers, read_presence,
+                       read_trailer, trailer_numel, write_prefix, write_trailer)
+
+FLAG_SERVER_ERROR = 2          # a relayed answer's flag: the server rejected this step's messages
+
+
+class Delivery(NamedTuple):
+    """What an exchange delivered: `flagged` names the ranks whose gradients were not finite
+    (empty on a good step); `present[i]`: layout parameter i had a gradient on some rank;
+    `data`: the exchange's result, read by the algorithm's apply."""
+    flagged: list
+    present: torch.Tensor
+    data: object
+
+
+def _reuse(buf: torch.Tensor | None, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != torch.device(device):
+        buf = torch.empty(numel, dtype=dtype, device=device)
+    return buf
+
+
+class GatherAll:
+    """One all_gather of [prefix | payload] uint8; data: every rank's payload, [world, nbytes]."""
+
+    def __init__(self, comm: Communicator, tag: str = "payload"):
+        self.comm, self.tag, self.buffer, self.n_params = comm, tag, None, 0
+        self._pending = None
+
+    def resize(self, n_params: int, payload_nbytes: int, device) -> torch.Tensor:
+        """The send buffer for this layout; returns the payload part (after the prefix)."""
+        self.n_params, start = n_params, prefix_nbytes(n_params)
+        self.buffer = _reuse(self.buffer, start + payload_nbytes, torch.uint8, device)
+        return self.buffer[start:]
+
+    @property
+    def payload(self) -> torch.Tensor:
+        return self.buffer[prefix_nbytes(self.n_params):]
+
+    def seal(self, step: int, flags: int, present: list[bool]) -> None:
+        write_prefix(self.buffer, step, flags, present)
+
+    def start(self) -> None:
+        self._pending = self.comm.all_gather(self.buffer, tag=self.tag, async_op=True)
+
+    def finish(self, step: int) -> Delivery:
+        gathered, self._pending = self._pending.wait(), None
+        prefixes = gathered[:, :prefix_nbytes(self.n_params)]
+        flagged = read_headers(prefixes, step).tolist()
+        return Delivery(flagged, read_presence(prefixes, self.n_params), gathered[:, prefixes.shape[1]:])
+
+
+class ReduceAll:
+    """One all_reduce (sum) of [payload | trailer] in a float dtype; data: the payload's mean
+    over ranks (a view of the reused buffer). A sum that overflowed counts as non-finite."""
+
+    def __init__(self, comm: Communicator, tag: str = "payload"):
+        self.comm, self.tag, self.buffer, self.n_params, self.numel = comm, tag, None, 0, 0
+        self._pending = None
+
+    def resize(self, n_params: int, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        self.n_params, self.numel = n_params, numel
+        self.buffer = _reuse(self.buffer, numel + trailer_numel(n_params), dtype, device)
+        return self.buffer[:numel]
+
+    @property
+    def payload(self) -> torch.Tensor:
+        return self.buffer[:self.numel]
+
+    def seal(self, step: int, flags: int, present: list[bool]) -> None:
+        write_trailer(self.buffer[self.numel:], step, bool(flags & FLAG_NONFINITE), present)
+
+    def start(self) -> None:
+        self._pending = self.comm.all_reduce(self.buffer, tag=self.tag, async_op=True)
+
+    def finish(self, step: int) -> Delivery:
+        total, self._pending = self._pending.wait(), None
+        world = self.comm.world_size
+        bad, present = read_trailer(total[self.numel:], step, world)
+        mean = total[:self.numel].div_(world)
+        if bad:
+            return Delivery([f"{bad} rank(s)"], present, mean)
+        if not bool(torch.isfinite(mean).all()):
+            return Delivery(["the sum (overflow)"], present, mean)
+        return Delivery([], present, mean)
+
+
+class OneBitReduce:
+    """APMSqueeze's compressed all-reduce of a flat float32 vector with worker and server
+    error feedback; the prefix travels at the head of every phase-1 chunk. data: m̄ [N]."""
+
+    def __init__(self, comm: Communicator, tag: str = "payload"):
+        self.comm, self.tag, self.n_params = comm, tag, 0
+        self.reduce = OneBitAllReduce(comm, tag)
+        self.prefix = None
+
+    def resize(self, n_params: int, x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor):
+        self.n_params = n_params
+        self.x, self.worker_error, self.server_error = x, worker_error, server_error
+        self.prefix = _reuse(self.prefix, prefix_nbytes(n_params), torch.uint8, x.device)
+
+    @property
+    def payload(self) -> torch.Tensor:
+        return self.x
+
+    def seal(self, step: int, flags: int, present: list[bool]) -> None:
+        write_prefix(self.prefix, step, flags, present)
+
+    def start(self) -> None:
+        self.reduce.start(self.x, self.worker_error, self.prefix)
+
+    def finish(self, step: int) -> Delivery:
+        prefixes = self.reduce.wait_headers()                    # [W, prefix], before any state changes
+        flagged = read_headers(prefixes, step).tolist()
+        present = read_presence(prefixes, self.n_params)
+        if flagged:
+            self.reduce.abandon()
+            return Delivery(flagged, present, None)
+        return Delivery([], present, self.reduce.finish(self.worker_error, self.server_error, out=self.x))
+
+
+class ServerRelay:
+    """gather of [prefix | uplink] to rank 0; there `serve(gathered, present, down_payload)`
+    runs the server step; one broadcast of [prefix | downlink] carries its answer, the
+    verdict and the presence union to every rank. data: the downlink buffer (all ranks).
+    An error the server raises (a malformed payload) reaches every rank as PeerMismatchError."""
+
+    def __init__(self, comm: Communicator, serve: Callable):
+        self.comm, self.serve, self.n_params = comm, serve, 0
+        self.up = self.down = None
+        self._pending = None
+
+    def resize(self, n_params: int, up_nbytes: int, down_nbytes: int, device) -> torch.Tensor:
+        self.n_params, start = n_params, prefix_nbytes(n_params)
+        self.up = _reuse(self.up, start + up_nbytes, torch.uint8, device)
+        self.down = _reuse(self.down, start + down_nbytes, torch.uint8, device)
+        return self.up[start:]
+
+    @property
+    def payload(self) -> torch.Tensor:
+        return self.up[prefix_nbytes(self.n_params):]
+
+    def seal(self, step: int, flags: int, present: list[bool]) -> None:
+        write_prefix(self.up, step, flags, present)
+
+    def start(self) -> None:
+        self._pending = self.comm.gather(self.up, dst=0, tag="payload", async_op=True)
+
+    def finish(self, step: int) -> Delivery:
+        gathered, self._pending = self._pending.wait(), None
+        start, error = prefix_nbytes(self.n_params), None
+        if self.comm.rank == 0:
+            error = self._serve(gathered, step)
+        self.comm.broadcast(self.down, src=0, tag="downlink")
+        if error is not None:
+            raise error
+        if int(self.down[2]) & FLAG_SERVER_ERROR:
+            raise PeerMismatchError(f"rank 0 (the server) rejected the messages of step {step}; its error names the cause")
+        prefix = self.down[None, :start]
+        flagged = ["reported by rank 0"] if read_headers(prefix, step).numel() else []
+        return Delivery(flagged, read_presence(prefix, self.n_params), self.down[start:])
+
+    def _serve(self, gathered: torch.Tensor, step: int):
+        """Rank 0: verdict, presence union and server step into self.down; an error to re-raise."""
+        start = prefix_nbytes(self.n_params)
+        try:
+            prefixes = gathered[:, :start]
+            bad = read_headers(prefixes, step).tolist()
+            present = read_presence(prefixes, self.n_params)
+            if not bad:
+                self.serve(gathered, present, self.down[start:])
+            write_prefix(self.down, step, FLAG_NONFINITE if bad else 0, present.tolist())
+            return None
+        except (PeerMismatchError, ValueError) as err:   # tell the others before raising
+            write_prefix(self.down, step, FLAG_SERVER_ERROR, [False] * self.n_params)
+            return err
