@@ -22,7 +22,8 @@ def test_step_uses_mean_gradient(world, grad_dtype):
     mean = sum(range(1, world + 1)) / world
     for params, counters in results:
         assert torch.equal(params, torch.full((5,), -mean))
-        assert counters["payload_bytes"] == 5 * (4 if grad_dtype == torch.float32 else 2)
+        # 5 values and the trailer: 1 flag, 16 lockstep slots, 1 presence count (optim/protocol.py)
+        assert counters["payload_bytes"] == (5 + 1 + 16 + 1) * (4 if grad_dtype == torch.float32 else 2)
 
 
 def test_lr_scheduler_on_wrapper_reaches_wrapped_optimizer_after_load():

@@ -222,12 +222,12 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
 
 
 def keep_saved_dtypes(opt: torch.optim.Optimizer, state_dict: dict) -> None:
-    """torch casts floating state to each parameter's dtype on load; thinwire's state has the
-    dtype it was created with (float32 momenta beside bf16 parameters): put it back."""
+    """torch casts floating state to each parameter's dtype on load, which would round float32
+    momenta beside bf16 parameters to bf16: take those tensors from the state_dict as saved."""
     ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     params = [p for g in opt.param_groups for p in g["params"]]
     for pid, p in zip(ids, params):
         for key, saved in state_dict["state"].get(pid, {}).items():
             now = opt.state[p].get(key)
             if torch.is_tensor(saved) and torch.is_tensor(now) and now.dtype != saved.dtype:
-                opt.state[p][key] = now.to(saved.dtype)
+                opt.state[p][key] = saved.to(device=now.device, copy=True)

@@ -41,9 +41,18 @@ class DenseAllReduce(CommunicatingOptimizer):
         self.optimizers, self.grad_dtype = inner, grad_dtype
         # Share the wrapped optimizers' group dicts (not copies), so an LR scheduler on this
         # object changes the learning rate the wrapped step uses.
+        self._sharing = True                 # torch's __init__ adds the shared groups through add_param_group
         super().__init__([g for o in inner for g in o.param_groups], {})
+        self._sharing = False
         self._init_comm(process_group, nonfinite)
         self._message = ReduceAll(self.comm)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """New parameters join the last wrapped optimizer (its defaults fill the group)."""
+        if self._sharing:
+            return super().add_param_group(param_group)
+        self.optimizers[-1].add_param_group(param_group)
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
 
     def state_dict(self):
         self.flush()

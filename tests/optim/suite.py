@@ -1,0 +1,227 @@
+"""The contract every optimizer in `registry.REGISTRY` passes, run inside real gloo workers.
+
+`run_suite(rank, world, names)` runs every case below for every named configuration and
+returns {name: {case: result or {'error': traceback}}}; test_suite.py asserts on them.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import traceback
+
+import torch
+
+from tests.dist import outcome_of
+from tests.optim import problem
+from tests.optim.registry import REGISTRY
+
+STEPS, RESUME_AT, BAD_STEP = 12, 6, 5     # three syncs at K = 4, a resume and a bad gradient mid-interval
+
+
+def train(opt, model, rank: int, start: int, stop: int, bad_step: int | None = None, scheduler=None) -> list:
+    """Steps start..stop-1 on this rank's batches; at bad_step the last rank's gradient is NaN.
+    Returns, per step, ('ok' | error type name, payload counters by tag)."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    log = []
+    for step in range(start, stop):
+        x, y = problem.batch(rank, step)
+        dtype = next(model.parameters()).dtype
+        problem.loss_on(model, x.to(dtype), y.to(dtype)).backward()
+        if step == bad_step and rank == world - 1:
+            next(p for p in model.parameters() if p.grad is not None).grad[0].fill_(float("nan"))
+        before = opt.comm_stats.as_dict()
+        status, _ = outcome_of(opt.step)
+        opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+        after = opt.comm_stats.by_tag
+        log.append((status, {tag: c.as_dict() for tag, c in after.items()}, before))
+    return log
+
+
+def flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+
+
+def _checkpoint(model, opt) -> dict:
+    blob = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, blob)
+    blob.seek(0)
+    return torch.load(blob, weights_only=False)
+
+
+def case_run(name, rank, dtype=torch.float32):
+    """Uninterrupted run, and one checkpointed at RESUME_AT and resumed into fresh objects."""
+    build = REGISTRY[name].build
+    model = problem.make_model().to(dtype)
+    opt = build(list(model.parameters()))
+    before = problem.eval_loss(model.float()) if dtype == torch.float32 else None
+    log = train(opt, model, rank, 0, STEPS)
+    first = problem.make_model().to(dtype)
+    first_opt = build(list(first.parameters()))
+    train(first_opt, first, rank, 0, RESUME_AT)
+    dtypes = {k: v.dtype for s in first_opt.state_dict().get("state", {}).values() for k, v in s.items()
+              if torch.is_tensor(v)}
+    saved = _checkpoint(first, first_opt)
+    fresh = problem.make_model(seed=77).to(dtype)             # a different init: the checkpoint restores it
+    fresh.load_state_dict(saved["model"])
+    fresh_opt = build(list(fresh.parameters()))
+    fresh_opt.load_state_dict(saved["opt"])
+    loaded = {k: v.dtype for s in fresh_opt.state_dict().get("state", {}).values() for k, v in s.items()
+              if torch.is_tensor(v)}
+    train(fresh_opt, fresh, rank, RESUME_AT, STEPS)
+    return {"params": flat(model), "resumed": flat(fresh), "log": [(s, c) for s, c, _ in log],
+            "loss_before": before, "loss_after": problem.eval_loss(model.float()) if before else None,
+            "state_dtypes": (dtypes, loaded), "shapes": [tuple(p.shape) for p in model.parameters()]}
+
+
+def case_bf16(name, rank):
+    return case_run(name, rank, torch.bfloat16)
+
+
+def case_lambda_warmup(name, rank):
+    """LambdaLR from 0: the first step moves nothing; training still converges."""
+    model = problem.make_model()
+    opt = REGISTRY[name].build(list(model.parameters()))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 4))
+    start = flat(model)
+    train(opt, model, rank, 0, 1, scheduler=sched)
+    unmoved = torch.equal(flat(model), start)
+    train(opt, model, rank, 1, STEPS, scheduler=sched)
+    return {"unmoved": unmoved, "params": flat(model), "loss_before": problem.eval_loss(problem.make_model()),
+            "loss_after": problem.eval_loss(model)}
+
+
+def case_one_cycle(name, rank):
+    model = problem.make_model()
+    opt = REGISTRY[name].build(list(model.parameters()))
+    max_lr = [g["lr"] for g in opt.param_groups]
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=max_lr, total_steps=STEPS, cycle_momentum=False)
+    log = train(opt, model, rank, 0, STEPS, scheduler=sched)
+    return {"statuses": [s for s, *_ in log], "params": flat(model),
+            "loss_before": problem.eval_loss(problem.make_model()), "loss_after": problem.eval_loss(model)}
+
+
+def case_add_param_group(name, rank):
+    model = problem.make_model()
+    first, second = model[0], model[2]
+    opt = REGISTRY[name].build([{"params": list(first.parameters())}])
+    opt.add_param_group({"params": list(second.parameters())})
+    start = [p.detach().clone() for p in model.parameters()]
+    train(opt, model, rank, 0, STEPS)
+    return {"moved": [not torch.equal(p, s) for p, s in zip(model.parameters(), start)], "params": flat(model)}
+
+
+def case_closure(name, rank):
+    model = problem.make_model()
+    opt = REGISTRY[name].build(list(model.parameters()))
+    x, y = problem.batch(rank, 0)
+
+    def closure():
+        opt.zero_grad()
+        loss = problem.loss_on(model, x, y)
+        loss.backward()
+        return loss
+    with torch.no_grad():
+        expected = float(problem.loss_on(model, x, y))
+    start = flat(model)
+    got = [float(opt.step(closure).detach()) for _ in range(REGISTRY[name].every)]
+    return {"loss": got[0], "expected": expected, "moved": not torch.equal(flat(model), start)}
+
+
+def case_nonfinite(name, rank, policy):
+    model = problem.make_model()
+    build = REGISTRY[name].build
+    opt = build(list(model.parameters()))
+    opt.nonfinite = policy if hasattr(opt, "nonfinite") else None
+    snapshots = []
+    statuses = []
+    for step in range(STEPS):
+        before = flat(model)
+        log = train(opt, model, rank, step, step + 1, bad_step=BAD_STEP)
+        statuses.append(log[0][0])
+        snapshots.append(torch.equal(flat(model), before))
+    return {"statuses": statuses, "unmoved": snapshots, "params": flat(model)}
+
+
+def case_frozen_and_unused(name, rank):
+    """A frozen parameter and a parameter that never gets a gradient (on any rank) stay put,
+    an empty parameter is skipped, and the others train."""
+    model = problem.make_model()
+    model[0].bias.requires_grad_(False)
+    unused = torch.nn.Parameter(torch.randn(6, 5))
+    empty = torch.nn.Parameter(torch.empty(0, 5))
+    opt = REGISTRY[name].build([*model.parameters(), unused, empty])
+    frozen, idle = model[0].bias.detach().clone(), unused.detach().clone()
+    start = model[0].weight.detach().clone()
+    train(opt, model, rank, 0, STEPS)
+    return {"frozen": torch.equal(model[0].bias, frozen), "unused": torch.equal(unused, idle),
+            "trained": not torch.equal(model[0].weight, start), "params": flat(model)}
+
+
+class _ConvNet(torch.nn.Module):
+    """A channels_last conv weight and a transposed (non-contiguous) matrix parameter."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+        self.head = torch.nn.Parameter(torch.randn(10, 16).t() * 0.1)      # [16, 10], strides (1, 16)
+
+    def forward(self, x):
+        return self.conv(x).mean(dim=(2, 3)) @ self.head[:4]
+
+
+def case_non_contiguous(name, rank):
+    net = _ConvNet()
+    assert not net.head.is_contiguous() and not net.conv.weight.is_contiguous()
+    opt = REGISTRY[name].build(list(net.parameters()))
+    start = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(100 * rank + step)
+        x = torch.randn(4, 3, 6, 6, generator=gen).to(memory_format=torch.channels_last)
+        net(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    end = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    return {"params": end, "moved": not torch.equal(end, start), "finite": bool(torch.isfinite(end).all())}
+
+
+def case_bad_peers(name, rank):
+    """Shapes that differ across ranks, then a rank resumed at another step: PeerMismatchError everywhere."""
+    params = [torch.nn.Parameter(torch.randn(16, 16 if rank == 0 else 17)), torch.nn.Parameter(torch.zeros(4))]
+    opt = REGISTRY[name].build(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    shapes = outcome_of(lambda: [opt.step() for _ in range(REGISTRY[name].every)])
+    model = problem.make_model()
+    opt = REGISTRY[name].build(list(model.parameters()))
+    train(opt, model, rank, 0, 1)
+    state = opt.state_dict()
+    if rank == 1:
+        state = {**state, "thinwire_step": state["thinwire_step"] + 3}      # as if from another checkpoint
+    opt.load_state_dict(state)
+    log = train(opt, model, rank, 1, 1 + REGISTRY[name].every)
+    return {"shapes": shapes[0], "lockstep": [s for s, *_ in log]}
+
+
+CASES = {"run": case_run, "bf16": case_bf16, "lambda_warmup": case_lambda_warmup, "one_cycle": case_one_cycle,
+         "add_param_group": case_add_param_group, "closure": case_closure,
+         "nonfinite_raise": lambda n, r: case_nonfinite(n, r, "raise"),
+         "nonfinite_skip": lambda n, r: case_nonfinite(n, r, "skip"),
+         "frozen_and_unused": case_frozen_and_unused, "non_contiguous": case_non_contiguous,
+         "bad_peers": case_bad_peers}
+
+
+def run_suite(rank: int, world: int, names) -> dict:
+    results = {}
+    for name in names:
+        for case, fn in CASES.items():
+            if case == "bad_peers" and world == 1:
+                continue
+            try:
+                results[(name, case)] = fn(name, rank)
+            except Exception:  # one failing case must not hide the others' results
+                results[(name, case)] = {"error": traceback.format_exc()}
+    return results
