@@ -6,9 +6,11 @@ against dense Adam. Prints markdown tables.
     python benchmarks/apmsqueeze_bench.py converge [--workers 4] [--steps 300] [--warmup-frac 0.2]
 
 bytes: per rank and step from the wire format (the formulas the tests check against the
-communicator's counts): phase 1 all_to_all of W chunks of 8 + 4 + N/(8W) bytes, of which
-the W−1 bound for peers are handed over, phase 2 all_gather 4 + N/(8W), N = parameters
-padded to a multiple of 8W; dense: one all-reduce of 4n (fp32) or 2n (bf16).
+communicator's counts): phase 1 all_to_all of W chunks of H + 4 + N/(8W) bytes, H = 8 +
+ceil(P/8) the message prefix (header and presence bitmap of the P parameters), of which the
+W−1 bound for peers are handed over, phase 2 all_gather 4 + N/(8W), N = parameters padded
+to a multiple of 8W; dense (and the warmup): one all-reduce of 4 (n + 17 + P) bytes in fp32
+(the gradients and the float trailer, thinwire.optim.protocol.trailer_numel).
 "payload" is what the communicator counts as this rank's message (both phases); "link" is
 what a rank sends under ring / pairwise algorithms (comm/links.py), the fair comparison
 with a ring all-reduce, which itself moves 2n(W−1)/W per rank.
@@ -34,17 +36,20 @@ from shapes import MODELS
 from thinwire import DenseAllReduce
 from thinwire.comm import CommStats
 from thinwire.comm.collectives import compressed_allreduce, padded_numel
+from thinwire.comm.communicator import Pending
 from thinwire.optim.apmsqueeze import APMSqueeze
+from thinwire.optim.protocol import prefix_nbytes, trailer_numel
 from thinwire.train import quickrun
 from thinwire.train.launch import launch
 
 
-def step_bytes(numel: int, world: int) -> dict:
+def step_bytes(numel: int, world: int, n_params: int) -> dict:
     n = padded_numel(numel, world)
     c = n // world
-    p1, p2 = world * 12 + n // 8, 4 + c // 8                 # phase 1 whole buffer, phase 2
-    return {"payload": p1 * (world - 1) // world + p2, "link": p1 * (world - 1) // world + p2 * (world - 1),
-            "fp32": 4 * numel, "fp32_link": 2 * 4 * numel * (world - 1) // world}
+    chunk1, p2 = prefix_nbytes(n_params) + 4 + c // 8, 4 + c // 8     # a phase-1 chunk, phase 2
+    dense = 4 * (numel + trailer_numel(n_params))
+    return {"payload": chunk1 * (world - 1) + p2, "link": chunk1 * (world - 1) + p2 * (world - 1),
+            "fp32": dense, "fp32_link": 2 * dense * (world - 1) // world}
 
 
 def bytes_table(warmup_frac: float) -> None:
@@ -53,9 +58,10 @@ def bytes_table(warmup_frac: float) -> None:
           "whole run vs fp32 (payload) | whole run vs fp32 (link) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, shapes in MODELS.items():
-        numel = sum(torch.Size(s).numel() for s in shapes())
+        sizes = [torch.Size(s).numel() for s in shapes()]
+        numel = sum(sizes)
         for world in (2, 4, 8, 16):
-            b = step_bytes(numel, world)
+            b = step_bytes(numel, world, len(sizes))
             run_payload = warmup_frac * b["fp32"] + (1 - warmup_frac) * b["payload"]
             run_link = warmup_frac * b["fp32_link"] + (1 - warmup_frac) * b["link"]
             print(f"| {name} ({numel / 1e6:.0f}M) | {world} | {b['payload'] / 1e6:.2f} MB | "
@@ -71,11 +77,13 @@ class Loopback:
     def __init__(self, world: int):
         self.world_size, self.rank, self.stats = world, 0, CommStats()
 
-    def all_to_all(self, buf, tag="payload", send_own=True):
-        return buf.view(self.world_size, -1).clone()
+    def all_to_all(self, buf, tag="payload", send_own=True, async_op=False):
+        out = buf.view(self.world_size, -1).clone()
+        return Pending(None, out) if async_op else out
 
-    def all_gather(self, buf, tag="payload"):
-        return buf[None].expand(self.world_size, -1).clone()
+    def all_gather(self, buf, tag="payload", async_op=False):
+        out = buf[None].expand(self.world_size, -1).clone()
+        return Pending(None, out) if async_op else out
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -98,8 +106,8 @@ def time_table(numel: int, world: int, repeats: int) -> None:
     p.grad = torch.randn(numel, generator=gen)
     adam = torch.optim.Adam([p], lr=1e-3, foreach=True)
     adam_s = median_seconds(adam.step, repeats)
-    opt = APMSqueeze([p], lr=1e-3, warmup_steps=0)      # compressed from the first step, world of one
-    apms = median_seconds(opt.step, repeats)
+    opt = APMSqueeze([p], lr=1e-3, warmup_steps=1)      # world of one; the untimed first call is the warmup
+    apms = median_seconds(opt.step, repeats)            # then compressed steps
     print(f"{numel / 1e6:.0f}M elements, threads={torch.get_num_threads()}, median of {repeats}\n")
     print("| what | s | vs Adam step |")
     print("|---|---|---|")
@@ -134,7 +142,7 @@ def _train(rank, world, kind, steps, warmup, lr, rows, out):
 
 
 def converge_table(workers: int, steps: int, warmup_frac: float, lr: float, rows: int) -> None:
-    warmup = round(warmup_frac * steps)
+    warmup = max(1, round(warmup_frac * steps))           # APMSqueeze needs at least one warmup step
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("dense Adam (fp32)", f"APMSqueeze T_w={warmup}"):

@@ -15,6 +15,7 @@ import torch
 from tests.optim import contract, problem
 from thinwire.comm import Communicator
 from thinwire.comm.collectives import compressed_allreduce
+from thinwire.comm.communicator import Pending
 from thinwire.optim.apmsqueeze import APMSqueeze
 from thinwire.optim.protocol import read_headers, write_header
 
@@ -85,21 +86,24 @@ def adam_reference(world: int, grads: list, steps: int) -> torch.optim.AdamW:
 # ---- what the gloo workers run -------------------------------------------------------------
 
 class Recording(Communicator):
-    """The real communicator, keeping a copy of what each collective sent and received."""
+    """The real communicator, keeping a copy of what each collective sent and received
+    (asynchronous calls are completed at once, so the copy is of what arrived)."""
 
     def __init__(self):
         super().__init__()
         self.log = []
 
-    def all_to_all(self, buf, **kw):
-        out = super().all_to_all(buf, **kw)
+    def _recorded(self, op, buf, kw):
+        async_op = kw.pop("async_op", False)
+        out = op(buf, **kw)
         self.log.append((buf.clone(), out.clone()))
-        return out
+        return Pending(None, out) if async_op else out
+
+    def all_to_all(self, buf, **kw):
+        return self._recorded(super().all_to_all, buf, kw)
 
     def all_gather(self, buf, **kw):
-        out = super().all_gather(buf, **kw)
-        self.log.append((buf.clone(), out.clone()))
-        return out
+        return self._recorded(super().all_gather, buf, kw)
 
 
 def allreduce_rounds(rank: int, world: int) -> list:
@@ -152,32 +156,70 @@ def _outcome(fn):
         return type(exc).__name__ + ": " + str(exc)
 
 
-def _try_step(rank: int, world: int, params, opt, nan: bool) -> tuple[str, bool]:
-    """(outcome, parameters unchanged) of one step with all-ones gradients, NaN on the last rank if asked."""
-    before = [p.detach().clone() for p in params]
+def _errors(opt) -> list:
+    return [e.clone() for e in (opt.worker_error, opt.server_error) if e is not None]
+
+
+def _try_step(rank: int, world: int, params, opt, nan: bool) -> tuple[str, bool, bool]:
+    """(outcome, parameters unchanged, error buffers unchanged) of one step with all-ones
+    gradients, NaN on the last rank if asked."""
+    before, errors = [p.detach().clone() for p in params], _errors(opt)
     for p in params:
         p.grad = torch.ones_like(p)
     if nan and rank == world - 1:
         params[0].grad[1, 2] = float("nan")
     status = _outcome(opt.step)
-    return status, all(torch.equal(a, b) for a, b in zip(before, params))
+    after = _errors(opt)
+    same_errors = len(after) == len(errors) and all(torch.equal(a, b) for a, b in zip(after, errors))
+    return status, all(torch.equal(a, b) for a, b in zip(before, params)), same_errors
 
 
-def nonfinite_run(rank: int, world: int) -> dict:
-    """A NaN on the last rank in a warmup step, then in a compressed step, each followed by a
-    good step (which proves no rank was left inside a collective)."""
+def nonfinite_run(rank: int, world: int, nonfinite: str) -> dict:
+    """warmup_steps=2: step 1 (warmup) has a NaN on the last rank, step 2 (warmup) is good,
+    step 3 (compressed) is good, step 4 (compressed, error buffers no longer zero) has the
+    NaN, step 5 is good; each good step proves no rank was left inside a collective."""
     params = [torch.nn.Parameter(t) for t in initial_params()]
-    opt = APMSqueeze(params, lr=LR, warmup_steps=1, betas=BETAS)
-    result = {phase: (_try_step(rank, world, params, opt, nan=True), _try_step(rank, world, params, opt, nan=False))
-              for phase in ("warmup", "compressed")}
+    opt = APMSqueeze(params, lr=LR, warmup_steps=2, betas=BETAS, nonfinite=nonfinite)
+    def bad_then_good():
+        return _try_step(rank, world, params, opt, nan=True), _try_step(rank, world, params, opt, nan=False)
+
+    result = {"warmup": bad_then_good()}
+    result["primer"] = _try_step(rank, world, params, opt, nan=False)
+    result["compressed"] = bad_then_good()
     result["params"] = torch.cat([p.detach().reshape(-1) for p in params])
-    result["step"] = opt.steps_done
+    result["steps_done"] = opt.steps_done
+    result["param_steps"] = [opt.state[p]["step"] for p in params]
     return result
+
+
+ABSENT_SHAPES = [(40,), (30,), (20,)]     # flat ranges [0, 40), [40, 70), [70, 90)
+
+
+def absent_run(rank: int, world: int) -> dict:
+    """A warmup step and a compressed step with every gradient, then a compressed step in
+    which the second parameter has a gradient on no rank and the third one only on rank 0."""
+    gen = torch.Generator().manual_seed(7)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ABSENT_SHAPES]
+    opt = APMSqueeze(params, lr=LR, warmup_steps=1, betas=BETAS, weight_decay=WD)
+    for t in range(3):
+        grads = [torch.randn(s, generator=torch.Generator().manual_seed(50 + 10 * rank + t)) for s in ABSENT_SHAPES]
+        for k, p in enumerate(params):
+            p.grad = grads[k] if (t < 2 or k == 0 or (k == 2 and rank == 0)) else None
+        if t == 2:
+            before = _snapshot(opt, params)
+        opt.step()
+    return {"before": before, "after": _snapshot(opt, params)}
+
+
+def _snapshot(opt, params) -> dict:
+    return {"params": [p.detach().clone() for p in params],
+            "state": [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()} for p in params],
+            "worker_error": opt.worker_error.clone(), "server_error": opt.server_error.clone()}
 
 
 def mismatched_shapes(rank: int, world: int) -> str:
     p = torch.nn.Parameter(torch.zeros(4, 4 + rank))
-    opt = APMSqueeze([p], lr=0.1, warmup_steps=0)
+    opt = APMSqueeze([p], lr=0.1, warmup_steps=1)
     p.grad = torch.ones_like(p)
     return _outcome(opt.step)
 
@@ -188,8 +230,9 @@ def suite(rank: int, world: int, configs: dict) -> dict:
     out = {"contract": contract.run_contract(rank, world, configs),
            "allreduce": allreduce_rounds(rank, world), "optimizer": optimizer_run(rank, world),
            "grads": grads_of(rank)}
+    out["absent"] = absent_run(rank, world)
     if world > 1:
-        out["nonfinite"] = nonfinite_run(rank, world)
+        out["nonfinite"] = {policy: nonfinite_run(rank, world, policy) for policy in ("raise", "skip")}
         out["mismatch"] = mismatched_shapes(rank, world)
     out["numel"] = sum(p.numel() for p in problem.make_model().parameters())
     return out

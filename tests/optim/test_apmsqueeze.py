@@ -3,7 +3,9 @@
 single-process simulation and numpy decoding of the bytes actually sent, the error-feedback
 identity at both levels, warmup against torch.optim.AdamW on averaged gradients, the
 compressed phase against a simulation of the paper's equations, the contract suite, byte
-counts from the wire format, and bad peers and bad arguments.
+counts from the wire format, parameters with a gradient on no rank, the nonfinite policy in
+both phases, bad peers and bad arguments; in one process: non-contiguous parameters, bf16
+parameters with float32 state, and the layout (frozen and empty parameters).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import warnings
 import pytest
 import torch
 
-from tests.dist import run_workers
 from tests.optim import apmsqueeze_reference as ref
 from tests.optim import contract
 from thinwire.optim.apmsqueeze import APMSqueeze
@@ -28,15 +29,7 @@ CONFIGS = {
                                 "kwargs": {"lr": 0.003, "warmup_steps": 10, "bias_correction": False}},
 }
 WORLDS = [1, 2, 3, 4]
-
-
-@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
-def outcome(request):
-    world = request.param
-    return world, run_workers(ref.suite, world, args=(CONFIGS,), timeout=300)
-
-
-
+outcome = contract.suite_fixture(ref.suite, CONFIGS, WORLDS)
 
 # ---- the compressed all-reduce --------------------------------------------------------------
 
@@ -160,15 +153,24 @@ def test_contract_replicas_identical_and_resume_in_lockstep(outcome, name):
     contract.assert_loss_falls(ranks)
 
 
+# The problem's model (tests/optim/problem.py): Linear(24, 37) and Linear(37, 10), weights
+# and biases: P = 4 layout parameters. Every message carries this rank's prefix, documented
+# in thinwire.optim.protocol: an 8-byte header and a presence bitmap of ceil(P / 8) bytes;
+# a float all-reduce carries the same facts as a trailer of 1 + 16 + P floats.
+P = 4
+PREFIX = 8 + math.ceil(P / 8)                                        # 9 bytes
+TRAILER = 1 + 16 + P                                                 # 21 floats
+
+
 def _expected_step(world: int, numel: int, compressed: bool) -> dict:
-    if not compressed:                                               # one fp32 all-reduce
-        n = 4 * numel
+    if not compressed:                                               # one fp32 all-reduce, trailer included
+        n = 4 * (numel + TRAILER)
         link = 2 * n * (world - 1) // world
         return {"payload_bytes": n, "link_bytes_sent": link, "link_bytes_received": link, "collectives": 1}
     c = math.ceil(numel / (8 * world)) * 8                           # chunk: N / W, N padded to 8W
-    phase1, phase2 = world * (8 + 4 + c // 8), 4 + c // 8             # all_to_all, all_gather
-    link = phase1 * (world - 1) // world + phase2 * (world - 1)
-    handed = (world - 1) * (8 + 4 + c // 8) + phase2                  # phase 1 keeps the own chunk local
+    chunk1, phase2 = PREFIX + 4 + c // 8, 4 + c // 8                  # all_to_all chunk (prefix in each), all_gather
+    link = chunk1 * (world - 1) + phase2 * (world - 1)
+    handed = (world - 1) * chunk1 + phase2                           # phase 1 keeps the own chunk local
     return {"payload_bytes": handed, "link_bytes_sent": link, "link_bytes_received": link,
             "collectives": 2}
 
@@ -177,6 +179,7 @@ def _expected_step(world: int, numel: int, compressed: bool) -> dict:
 def test_contract_bytes_counted_equal_wire_format(outcome, name):
     world, ranks = contract.suite_ranks(outcome, name)
     numel, warmup = outcome[1][0]["numel"], CONFIGS[name]["kwargs"]["warmup_steps"]
+    assert numel == 24 * 37 + 37 + 37 * 10 + 10
     handshake = 8 if world > 1 else 0
     for result in ranks:
         for step, counters in enumerate(result["counters"], start=1):
@@ -189,20 +192,57 @@ def test_contract_bytes_counted_equal_wire_format(outcome, name):
             assert counters == expected, step
 
 
+# ---- parameters without gradients -------------------------------------------------------------
+
+def test_parameter_with_gradient_on_no_rank_is_restored_exactly(outcome):
+    """Flat ranges: a [0, 40), b [40, 70), c [70, 90); N = 96 for W = 1..4, server chunks of
+    96 / W. In the last (compressed) step b has a gradient on no rank, c only on rank 0."""
+    world, results = outcome
+    chunk = 96 // world
+    for rank, r in enumerate(results):
+        before, after = r["absent"]["before"], r["absent"]["after"]
+        assert before["worker_error"].numel() == 96 and before["server_error"].numel() == chunk
+        assert torch.equal(after["params"][1], before["params"][1])               # b: not moved
+        for key, value in before["state"][1].items():
+            assert torch.equal(torch.as_tensor(after["state"][1][key]), torch.as_tensor(value)), key
+        assert after["state"][1]["step"] == 2 and after["state"][0]["step"] == after["state"][2]["step"] == 3
+        assert torch.equal(after["worker_error"][40:70], before["worker_error"][40:70])
+        assert not torch.equal(after["worker_error"][:40], before["worker_error"][:40])
+        lo, hi = max(40, rank * chunk), min(70, (rank + 1) * chunk)               # b's part of this server chunk
+        if lo < hi:
+            assert torch.equal(after["server_error"][lo - rank * chunk: hi - rank * chunk],
+                               before["server_error"][lo - rank * chunk: hi - rank * chunk])
+        assert not torch.equal(after["server_error"], before["server_error"])    # a and c's parts moved
+        assert not torch.equal(after["params"][0], before["params"][0])
+        assert not torch.equal(after["params"][2], before["params"][2])           # c: a gradient on rank 0
+        for k in range(3):
+            assert torch.equal(after["params"][k], results[0]["absent"]["after"]["params"][k])
+
+
 # ---- bad peers, bad resumes, bad arguments ------------------------------------------------------
 
-def test_nonfinite_momentum_raises_on_every_rank_in_both_phases(outcome):
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_nonfinite_gradient_on_one_rank_in_both_phases(outcome, policy):
+    """raise: every rank raises NonFiniteGradientError; skip: every rank skips the step. Either
+    way nothing moves and no error buffer changes; the next good step runs on every rank."""
     world, results = outcome
     if world == 1:
         pytest.skip("needs peers")
     for r in results:
+        got = r["nonfinite"][policy]
         for phase in ("warmup", "compressed"):
-            (status, unchanged), (after, _) = r["nonfinite"][phase]
-            assert status.startswith("NonFiniteGradientError") and unchanged, (phase, status)
-            assert after == "ok", (phase, after)             # nobody was left inside a collective
-        assert r["nonfinite"]["step"] == 2
-        assert torch.equal(r["nonfinite"]["params"], results[0]["nonfinite"]["params"])
-    assert f"rank(s) [{world - 1}]" in results[0]["nonfinite"]["compressed"][0][0]
+            (status, unchanged, same_errors), (after, moved, _) = got[phase]
+            if policy == "raise":
+                assert status.startswith("NonFiniteGradientError"), (phase, status)
+            else:
+                assert status == "ok", (phase, status)
+            assert unchanged and same_errors, phase
+            assert after == "ok" and not moved, (phase, after)             # nobody was left inside a collective
+        assert got["primer"][0] == "ok"
+        assert got["steps_done"] == 5 and got["param_steps"] == [3, 3]     # flagged steps count no parameter step
+        assert torch.equal(got["params"], results[0]["nonfinite"][policy]["params"])
+    if policy == "raise":
+        assert f"[{world - 1}]" in results[0]["nonfinite"]["raise"]["compressed"][0][0]
 
 
 def test_mismatched_shapes_fail_on_every_rank(outcome):
@@ -235,12 +275,18 @@ def test_resume_on_another_world_size_or_rank(outcome):
 def test_bad_arguments():
     p = [torch.nn.Parameter(torch.zeros(3))]
     for kwargs, name in [({"warmup_steps": -1}, "warmup_steps"), ({"warmup_steps": 2.5}, "warmup_steps"),
+                         ({"warmup_steps": 0}, "warmup_steps"), ({"warmup_steps": True}, "warmup_steps"),
+                         ({"nonfinite": "ignore"}, "nonfinite"),
                          ({"betas": (1.0, 0.9)}, "betas"), ({"betas": (0.9, -0.1)}, "betas"),
                          ({"eps": 0.0}, "eps"), ({"eps": -1e-8}, "eps"), ({"lr": -1.0}, "lr"),
                          ({"weight_decay": -0.1}, "weight_decay"), ({"error_resume": "keep"}, "error_resume")]:
         args = {"lr": 0.1, "warmup_steps": 1, **kwargs}
         with pytest.raises(ValueError, match=name):
             APMSqueeze(p, **args)
+    with pytest.raises(ValueError, match="v stays 0"):                # the reason, not only the name
+        APMSqueeze(p, lr=0.1, warmup_steps=0)
+    with pytest.raises(TypeError):                                    # the undocumented option is gone
+        APMSqueeze(p, lr=0.1, warmup_steps=1, compress="preconditioned")
     opt = APMSqueeze(p, lr=0.1, warmup_steps=1)
     with pytest.raises(ValueError, match="eps"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "eps": 0.0})
@@ -262,3 +308,57 @@ def test_coordinates_without_warmup_gradient(mask_unseen):
         assert torch.equal(p.detach()[:8], torch.zeros(8))
     else:
         assert float(p.detach()[:8].abs().min()) > 1e3                # ~ lr * scale / eps
+
+
+# ---- one process: layouts and dtypes ------------------------------------------------------------
+
+def test_non_contiguous_parameters_step_like_contiguous_ones():
+    """A channels_last conv weight and a transposed matrix (non-contiguous gradients too) move
+    bit for bit like contiguous copies, through warmup and compressed steps."""
+    gen = torch.Generator().manual_seed(0)
+    conv, mat = torch.randn(4, 3, 3, 3, generator=gen), torch.randn(5, 6, generator=gen).t()
+    odd = [torch.nn.Parameter(conv.contiguous(memory_format=torch.channels_last)), torch.nn.Parameter(mat.clone())]
+    plain = [torch.nn.Parameter(conv.clone()), torch.nn.Parameter(mat.contiguous())]
+    assert not odd[0].is_contiguous() and not odd[1].is_contiguous()
+    opts = [APMSqueeze(ps, lr=0.01, warmup_steps=2, weight_decay=0.1) for ps in (odd, plain)]
+    for _ in range(5):
+        grads = [torch.randn(p.shape, generator=gen) for p in plain]
+        odd[0].grad, odd[1].grad = grads[0].contiguous(memory_format=torch.channels_last), grads[1].t().contiguous().t()
+        plain[0].grad, plain[1].grad = grads[0].clone(), grads[1].clone()
+        for opt in opts:
+            opt.step()
+        for a, b in zip(odd, plain):
+            assert torch.equal(a, b)
+    assert opts[0].phase == "compressed" and opts[0].comm_stats.last_step.collectives == 2
+
+
+def test_bf16_parameters_keep_float32_state_through_a_checkpoint():
+    gen = torch.Generator().manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(8, 8, generator=gen).to(torch.bfloat16))]
+    opt = APMSqueeze(params, lr=0.01, warmup_steps=2)
+    for _ in range(3):
+        params[0].grad = torch.randn(8, 8, generator=gen).to(torch.bfloat16)
+        opt.step()
+    saved = opt.state_dict()
+    fresh = APMSqueeze(params, lr=0.01, warmup_steps=2)
+    fresh.load_state_dict(saved)
+    state = fresh.state[params[0]]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+    assert fresh.worker_error.dtype == torch.float32 and fresh.steps_done == 3
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(state[key], opt.state[params[0]][key])
+
+
+def test_frozen_and_empty_parameters_are_not_part_of_the_message():
+    """Layout = requires_grad and numel > 0: here P = 2 of the 4 parameters, so the warmup
+    all-reduce carries 4 * (numel + 1 + 16 + 2) bytes, and frozen / empty ones are untouched."""
+    live = [torch.nn.Parameter(torch.ones(3, 5)), torch.nn.Parameter(torch.ones(7))]
+    frozen, empty = torch.nn.Parameter(torch.ones(4), requires_grad=False), torch.nn.Parameter(torch.ones(0))
+    opt = APMSqueeze([live[0], frozen, empty, live[1]], lr=0.1, warmup_steps=1)
+    for p in live:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.comm_stats.last_step.payload_bytes == 4 * (15 + 7 + 1 + 16 + 2)
+    assert torch.equal(frozen, torch.ones(4)) and frozen not in opt.state and empty not in opt.state
+    opt.step()                                                       # compressed: N = 24 (22 padded to 8)
+    assert opt.comm_stats.last_step.payload_bytes == 4 + 24 // 8     # W = 1: only the all_gather is handed over

@@ -1,28 +1,38 @@
 """APMSqueeze: Adam-preconditioned momentum SGD with 1-bit compressed momentum after an Adam
 warmup (Tang et al., arXiv 2008.11343; DeepSpeed's OnebitAdam is its production form).
 
-Every rank i, step t (g_i: this rank's gradient; W ranks; λ: decoupled weight decay):
+Every rank i, step t (g_i: this rank's gradient, 0 where it has none; W ranks; λ: decoupled
+weight decay; t counts the steps in which some rank had a gradient for the parameter, as
+torch.optim.Adam counts them; T_w: how many of those were warmup steps):
 
-  warmup, t <= T_w (dense: one fp32 all-reduce of all gradients per step):
+  warmup, steps 1..warmup_steps (`ReduceAll`: one fp32 all-reduce of all gradients):
       g = (1/W) Σ_j g_j
       m ← β1 m + (1 − β1) g,   v ← β2 v + (1 − β2) g²
       θ ← θ (1 − η λ) − η m̂ / (sqrt(v̂) + ε)      m̂ = m / (1 − β1^t), v̂ = v / (1 − β2^t)
-    (exactly torch.optim.AdamW on the averaged gradient); after step T_w, v is frozen.
-  compressed, t > T_w (`thinwire.comm.collectives.compressed_allreduce`, two collectives):
+    (torch.optim.AdamW on the averaged gradient, bit for bit with float32 parameters);
+    after the warmup, v is frozen.
+  compressed, later steps (`OneBitReduce`: `thinwire.comm.collectives.OneBitAllReduce`,
+  an all_to_all then an all_gather):
       m_i = β1 m̄ + (1 − β1) g_i                   from the shared m̄ of the previous step
       m̄ = C[(1/W) Σ_j C[m_j + δ_j] + δ̄]           δ_i ← what this rank's C lost,
                                                    δ̄ ← what this server chunk's C lost
-      θ ← θ (1 − η λ) − η m̄ / (1 − β1^t) / (sqrt(v_{T_w} / (1 − β2^{T_w})) + ε)
+      m ← m̄
+      θ ← θ (1 − η λ) − η m̄ / (1 − β1^t) / (sqrt(v / (1 − β2^{T_w})) + ε)
   C: sign × RMS scale (||x||_2 / sqrt(n)) per chunk of N / W elements, N the flat length of
-  all parameters padded to a multiple of 8W; exact zeros are sent as +scale (see onebit).
+  all parameters padded to a multiple of 8W; exact zeros are sent as +scale.
 
 Paper and DeepSpeed apply no bias correction; with bias_correction=True (default) the
 compressed phase with lossless C is exactly Adam with v frozen, so the switch at T_w makes
 no jump in step size; bias_correction=False gives the paper's m / (sqrt(v) + ε) in both
-phases. Coordinates with v_{T_w} = 0 are not moved by m̄ (see mask_unseen). Non-finite gradients or momenta raise NonFiniteGradientError on every rank in the
-same step, before any state changes. Unlike DeepSpeed, `state_dict()` keeps this rank's
-worker and server errors (and the world size and rank they belong to), so a resume on the
-same ranks continues bit-identically; see `error_resume` for a different world.
+phases. Coordinates with frozen v = 0 are not moved by m̄ (see mask_unseen).
+
+The step envelope (`thinwire.optim.base`) carries the rest: the message prefix (header and
+presence bitmap) at the head of every phase-1 chunk, or as the warmup all-reduce's float
+trailer; lockstep; the `nonfinite` policy (on a flagged step nothing moves on any rank and
+no state changes, error buffers included); a parameter with a gradient on no rank is left
+as it was, its share of both error buffers included. Unlike DeepSpeed, `state_dict()` keeps
+this rank's worker and server errors (with the world size and rank they belong to), so a
+resume on the same ranks continues bit-identically; see `error_resume` for another world.
 
     opt = APMSqueeze(model.parameters(), lr=1e-3, warmup_steps=total_steps // 5)
     loss.backward(); opt.step(); opt.zero_grad()     # no DDP gradient all-reduce
@@ -35,14 +45,13 @@ import warnings
 
 import torch
 
-from ..comm.collectives import compressed_allreduce, padded_numel
-from .base import CommunicatingOptimizer, flatten_grads
-from .protocol import (FLAG_NONFINITE, HEADER_NBYTES, NonFiniteGradientError, all_finite,
-                       read_headers, write_header)
+from ..comm.collectives import padded_numel
+from ..ops import adam_denominator
+from .base import CommunicatingOptimizer, Member, flatten_grads
+from .exchange import OneBitReduce, ReduceAll
 
 ERRORS_KEY = "apmsqueeze"
 ERROR_RESUME = ("exact", "reset")
-COMPRESS = ("momentum", "preconditioned")
 
 
 def _check_group(g: dict) -> None:
@@ -58,12 +67,54 @@ def _check_group(g: dict) -> None:
         raise ValueError(f"weight_decay must be >= 0, got {g['weight_decay']}")
 
 
+# ---- the update rules: one equation per in-place operation --------------------------------------
+
+def adam_moments_(m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta1: float, beta2: float) -> None:
+    """Adam's moment estimates from the averaged gradient (warmup)."""
+    # m ← β1 m + (1 − β1) g
+    m.lerp_(g, 1 - beta1)
+    # v ← β2 v + (1 − β2) g²
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+
+
+def local_momentum(out: torch.Tensor, m_bar: torch.Tensor, g: torch.Tensor | None, beta1: float) -> None:
+    """This rank's momentum, written into `out` (compressed phase); g None counts as 0."""
+    # m_i = β1 m̄
+    torch.mul(m_bar, beta1, out=out)
+    if g is not None:
+        # m_i += (1 − β1) g_i
+        out.add_(g, alpha=1 - beta1)
+
+
+def frozen_denominator(v: torch.Tensor, t_v: int, beta2: float, eps: float, bias_correction: bool,
+                       mask_unseen: bool) -> torch.Tensor:
+    """The compressed phase's denominator from the frozen v (a new tensor)."""
+    bias_correction2 = 1 - beta2 ** t_v if bias_correction and t_v > 0 else 1.0
+    # D = sqrt(v / (1 − β2^T_w)) + ε
+    denom = adam_denominator(v, bias_correction2, eps)
+    if mask_unseen:
+        # D ← +∞ where v = 0 (no gradient there during warmup): m̄ / D = 0
+        denom.masked_fill_(v == 0, math.inf)
+    return denom
+
+
+def adam_update_(p: torch.Tensor, m: torch.Tensor, denom: torch.Tensor, lr: float, weight_decay: float,
+                 bias_correction1: float) -> None:
+    """The parameter step, as torch.optim.AdamW takes it."""
+    if weight_decay:
+        # θ ← θ (1 − η λ)
+        p.mul_(1 - lr * weight_decay)
+    # θ ← θ − η / (1 − β1^t) · m / D
+    p.addcdiv_(m, denom, value=-lr / bias_correction1)
+
+
 class APMSqueeze(CommunicatingOptimizer):
     """Adam for `warmup_steps`, then 1-bit compressed momentum with frozen v (module docstring).
 
     Args:
-        lr: η. warmup_steps: T_w >= 0, dense Adam steps before v freezes (15-25 % of training
-            is DeepSpeed's advice; 0 means v stays 0, i.e. steps of m / ε).
+        lr: η. warmup_steps: dense Adam steps before v freezes, an integer >= 1 (15-25 % of
+            training is DeepSpeed's advice). The compressed phase divides by sqrt(v), which
+            only warmup steps estimate: with none, v would stay 0 and no parameter would move.
         betas: (β1, β2) in [0, 1). eps: ε > 0. weight_decay: decoupled λ (AdamW style).
         bias_correction: Adam's 1 / (1 − β^t) factors (default True; False: the paper's equations).
         mask_unseen: coordinates whose frozen v is exactly 0 (no rank ever had a gradient there
@@ -74,44 +125,150 @@ class APMSqueeze(CommunicatingOptimizer):
             False gives the paper's update everywhere. Weight decay still applies there.
         error_resume: what load_state_dict does with error buffers saved by another world size
             or rank: 'exact' (default) raises ValueError; 'reset' zeroes them with a warning.
+        nonfinite: 'raise' (default) or 'skip' when any rank's gradients are not finite; in
+            both cases no parameter moves that step, on any rank, and no state changes.
         process_group: torch.distributed group (default: world; none needed for one process).
-    Gradients that are None count as zero. warmup_steps is global: the phase decides the
-    collective, so every rank switches at the same step.
+    A rank without a gradient for a parameter that another rank has one for counts it as
+    zero; a parameter with a gradient on no rank does not move and keeps its state.
+    warmup_steps is global (the envelope's step count, skipped steps included): the phase
+    decides the collective, so every rank switches at the same step. State per parameter:
+    step, exp_avg (m), exp_avg_sq (v) and exp_avg_sq_step (the t of v's bias correction),
+    float32 whatever the parameter's dtype.
     """
 
     def __init__(self, params, lr: float, warmup_steps: int, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, process_group=None, bias_correction: bool = True,
-                 mask_unseen: bool = True, compress: str = "momentum", error_resume: str = "exact"):
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+                 mask_unseen: bool = True, error_resume: str = "exact", nonfinite: str = "raise"):
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be an integer >= 1, got {warmup_steps!r}: the compressed phase "
+                             "divides by sqrt(v), which only warmup steps estimate (with none, v stays 0 and "
+                             "no parameter would ever move)")
         if error_resume not in ERROR_RESUME:
             raise ValueError(f"error_resume must be one of {ERROR_RESUME}, got {error_resume!r}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         _check_group(defaults)
         super().__init__(params, defaults)
         self.warmup_steps, self.bias_correction, self.error_resume = warmup_steps, bool(bias_correction), error_resume
-        if compress not in COMPRESS:
-            raise ValueError(f"compress must be one of {COMPRESS}, got {compress!r}")
-        self.mask_unseen, self.compress = bool(mask_unseen), compress
-        self._init_comm(process_group)
+        self.mask_unseen = bool(mask_unseen)
+        self._init_comm(process_group, nonfinite)
         self.worker_error: torch.Tensor | None = None    # [N] float32, this rank's δ_i
         self.server_error: torch.Tensor | None = None    # [N / W] float32, this rank's chunk's δ̄
-        self._workspace: dict = {}                       # reused buffers (not state)
-        self._denoms: dict = {}                          # p -> (settings, sqrt(v̂_Tw) + ε): v is frozen
+        self._dense: ReduceAll | None = None             # the warmup's exchange (dropped after it)
+        self._onebit = OneBitReduce(self.comm)
+        self._x: torch.Tensor | None = None              # [N] float32: m_i out, m̄ back
+        self._spans: dict = {}                           # p -> (offset, numel) in the flat buffers, compressed steps
+        self._denoms: dict = {}                          # p -> (settings, D): v is frozen
 
     def add_param_group(self, param_group: dict) -> None:
         _check_group({**self.defaults, **param_group})
         super().add_param_group(param_group)
 
     @property
-    def steps_done(self) -> int:
-        state = self.state.get(self.params[0], {})
-        return int(state.get("step", 0))
-
-    @property
     def phase(self) -> str:
-        return "warmup" if self.steps_done < self.warmup_steps else "compressed"
+        """The phase of the next step."""
+        return "warmup" if self._step < self.warmup_steps else "compressed"
 
+    # ---- the algorithm, inside the envelope ------------------------------------------------------
+    def _describe(self, layout: list[Member]) -> str:
+        return f"apmsqueeze world_size={self.comm.world_size} warmup_steps={self.warmup_steps} " + " ".join(
+            f"{tuple(p.shape)}:{p.dtype}" for _, p in layout)
+
+    def _exchange(self, step: int, layout: list[Member]):
+        if not layout:
+            return None
+        numel, device = sum(p.numel() for _, p in layout), layout[0].param.device
+        if step <= self.warmup_steps:
+            self._spans = {}
+            self._dense = self._dense or ReduceAll(self.comm)
+            self._dense.resize(len(layout), numel, torch.float32, device)
+            return self._dense
+        self._dense = None                                   # its buffer is no longer needed
+        world = self.comm.world_size
+        n = padded_numel(numel, world)
+        if self.worker_error is None or self.worker_error.numel() != n:
+            # first compressed step (or a changed layout, whose old errors no longer line up)
+            self.worker_error = torch.zeros(n, dtype=torch.float32, device=device)
+            self.server_error = torch.zeros(n // world, dtype=torch.float32, device=device)
+        if self._x is None or self._x.numel() != n or self._x.device != device:
+            self._x = torch.empty(n, dtype=torch.float32, device=device)
+        self._spans, offset = {}, 0
+        for _, p in layout:
+            self._spans[p] = (offset, p.numel())
+            offset += p.numel()
+        self._onebit.resize(len(layout), self._x, self.worker_error, self.server_error)
+        return self._onebit
+
+    def _prepare(self, step: int, layout: list[Member]) -> None:
+        for _, p in layout:
+            state = self.state[p]
+            if "exp_avg" not in state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+                state["exp_avg_sq_step"] = 0
+
+    def _encode(self, step: int, layout: list[Member], exchange) -> None:
+        if exchange is None:
+            return
+        if step <= self.warmup_steps:                        # the gradients, to be averaged
+            flatten_grads([p for _, p in layout], exchange.payload)
+            return
+        x, offset = exchange.payload, 0
+        for group, p in layout:
+            local_momentum(x[offset: offset + p.numel()].view(p.shape), self.state[p]["exp_avg"], p.grad,
+                           group["betas"][0])
+            offset += p.numel()
+        x[offset:].zero_()                                   # padding (m̄ was decoded into it)
+
+    def _apply(self, step: int, layout: list[Member], delivery) -> None:
+        """Warmup: delivery.data is the mean gradient; compressed: m̄. Both flat, float32."""
+        warmup, data, offset = step <= self.warmup_steps, delivery.data, 0
+        for (group, p), anywhere in zip(layout, delivery.present.tolist()):
+            part = data[offset: offset + p.numel()].view(p.shape)
+            offset += p.numel()
+            if not anywhere:
+                continue
+            state, (beta1, beta2) = self.state[p], group["betas"]
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            state["step"] += 1
+            t = state["step"]
+            if warmup:
+                adam_moments_(m, v, part, beta1, beta2)
+                state["exp_avg_sq_step"] += 1
+                t_v = state["exp_avg_sq_step"]
+                denom = adam_denominator(v, 1 - beta2 ** t_v if self.bias_correction else 1.0, group["eps"])
+            else:
+                # m ← m̄ (the same on every rank)
+                m.copy_(part)
+                denom = self._frozen_denominator(p, group)
+            adam_update_(p, m, denom, group["lr"], group["weight_decay"],
+                         1 - beta1 ** t if self.bias_correction else 1.0)
+
+    def _frozen_denominator(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """`frozen_denominator` of p, cached: v and its step count no longer change."""
+        state = self.state[p]
+        key = (state["exp_avg_sq_step"], group["betas"][1], group["eps"], self.bias_correction, self.mask_unseen)
+        cached = self._denoms.get(p)
+        if cached is None or cached[0] != key:
+            cached = self._denoms[p] = (key, frozen_denominator(state["exp_avg_sq"], *key))
+        return cached[1]
+
+    def _local_views(self, p: torch.Tensor) -> list[torch.Tensor]:
+        """p's share of the error buffers on a compressed step: its range [offset, offset + numel)
+        of δ_i, and the part of this rank's server chunk δ̄ that overlaps that range."""
+        span = self._spans.get(p)
+        if span is None or self.worker_error is None:
+            return []
+        offset, numel = span
+        views = [self.worker_error[offset: offset + numel]]
+        chunk = self.server_error.numel()
+        first = self.comm.rank * chunk                       # this rank serves [first, first + chunk)
+        lo, hi = max(offset, first), min(offset + numel, first + chunk)
+        if lo < hi:
+            views.append(self.server_error[lo - first: hi - first])
+        return views
+
+    # ---- checkpoints --------------------------------------------------------------------------
     def state_dict(self):
         state = super().state_dict()
         state[ERRORS_KEY] = {"worker_error": self.worker_error, "server_error": self.server_error,
@@ -124,8 +281,7 @@ class APMSqueeze(CommunicatingOptimizer):
         saved = state_dict.pop(ERRORS_KEY, None)
         super().load_state_dict(state_dict)
         self.worker_error = self.server_error = None
-        self._denoms.clear()
-        self._agreed = None                  # handshake again, with the loaded step, before talking
+        self._spans, self._denoms = {}, {}
         if saved is None or saved["worker_error"] is None:
             return
         here = (self.comm.world_size, self.comm.rank)
@@ -137,116 +293,7 @@ class APMSqueeze(CommunicatingOptimizer):
                 raise ValueError(message + ", or pass error_resume='reset' to restart the errors from zero")
             warnings.warn(message + "; error_resume='reset': worker and server errors restart from zero")
             return
-        self.worker_error = saved["worker_error"].to(torch.float32).clone()
-        self.server_error = saved["server_error"].to(torch.float32).clone()
-
-    def _describe(self, params) -> str:
-        """The layout peers must share; the handshake also carries the step (checked after a load)."""
-        return f"world_size={self.comm.world_size} warmup={self.warmup_steps} " + " ".join(
-            f"{tuple(p.shape)}:{p.dtype}" for p in params)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._begin_step(closure)
-        params = self.params
-        self._agree(self._describe(params), f"step={self.steps_done}")
-        for p in params:
-            state = self.state[p]
-            if not state:
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        t = self.steps_done + 1
-        if t <= self.warmup_steps:
-            self._warmup_step(params, t)
-        else:
-            self._compressed_step(params, t)
-        for p in params:                     # only reached when no rank raised
-            self.state[p]["step"] = t
-        return loss
-
-    def _entries(self):
-        """(group, p, offset) in group order: each parameter's place in the flat buffers."""
-        offset = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                yield group, p, offset
-                offset += p.numel()
-
-    def _warmup_step(self, params, t: int) -> None:
-        flat = self._workspace["grads"] = flatten_grads(params, self._workspace.get("grads"), torch.float32)
-        self.comm.all_reduce(flat)           # every rank sees the same sum: NaN/inf anywhere shows
-        if not bool(torch.isfinite(flat).all()):
-            raise NonFiniteGradientError(f"non-finite averaged gradient at step {t} (warmup): some rank's "
-                                         "gradients are not finite; no parameter was updated on any rank")
-        flat.div_(self.comm.world_size)
-        for group, p, off in self._entries():
-            grad = flat[off: off + p.numel()].view(p.shape).to(p.dtype)
-            state, (beta1, beta2) = self.state[p], group["betas"]
-            state["exp_avg"].lerp_(grad, 1 - beta1)
-            state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            self._update(p, group, state["exp_avg"], t, t)
-
-    def _update(self, p, group, m: torch.Tensor, t: int, t_v: int) -> None:
-        """θ ← θ (1 − η λ) − η m̂ / (sqrt(v̂) + ε), v̂ corrected for its own step count t_v."""
-        lr, beta1 = group["lr"], group["betas"][0]
-        step_size = lr / (1 - beta1 ** t) if self.bias_correction else lr
-        if group["weight_decay"]:
-            p.mul_(1 - lr * group["weight_decay"])
-        p.addcdiv_(m.to(p.dtype), self._denominator(p, group, t_v), value=-step_size)
-
-    def _denominator(self, p, group, t_v: int) -> torch.Tensor:
-        """sqrt(v / (1 − β2^t_v)) + ε, computed as torch.optim.Adam does; once v is frozen it is
-        cached, and with mask_unseen it is +inf where v_Tw == 0, so m̄ moves nothing there."""
-        beta2, eps = group["betas"][1], group["eps"]
-        frozen = self.steps_done >= self.warmup_steps
-        key = (t_v, beta2, eps, self.bias_correction, self.mask_unseen)
-        cached = self._denoms.get(p)
-        if frozen and cached is not None and cached[0] == key:
-            return cached[1]
-        v = self.state[p]["exp_avg_sq"]
-        v_scale = math.sqrt(1 - beta2 ** t_v) if self.bias_correction and t_v > 0 else 1.0
-        denom = (v.sqrt() / v_scale).add_(eps)
-        if frozen:                               # compressed phase: v and t_v no longer change
-            if self.mask_unseen:
-                denom.masked_fill_(v == 0, math.inf)
-            self._denoms[p] = (key, denom)
-        return denom
-
-    def _compressed_step(self, params, t: int) -> None:
-        world, dev = self.comm.world_size, params[0].device
-        numel = sum(p.numel() for p in params)
-        n = padded_numel(numel, world)
-        if self.worker_error is None or self.worker_error.numel() != n:
-            # first compressed step (or a changed layout, whose old errors no longer line up)
-            self.worker_error = torch.zeros(n, dtype=torch.float32, device=dev)
-            self.server_error = torch.zeros(n // world, dtype=torch.float32, device=dev)
-        self._workspace.pop("grads", None)              # the warmup's gradient buffer is done with
-        x = self._workspace.get("x")
-        if x is None or x.numel() != n:
-            x = self._workspace["x"] = torch.empty(n, dtype=torch.float32, device=dev)
-        x[numel:].zero_()                                # padding: zeros (m̄ was decoded into it)
-        for group, p, off in self._entries():           # m_i = β1 m̄ + (1 − β1) g_i
-            view = x[off: off + p.numel()].view(p.shape)
-            torch.mul(self.state[p]["exp_avg"], group["betas"][0], out=view)
-            if p.grad is not None:
-                view.add_(p.grad, alpha=1 - group["betas"][0])
-            if self.compress == "preconditioned":                     # u_i = m_i / (sqrt(v̂) + ε)
-                view.div_(self._denominator(p, group, self.warmup_steps))
-        header = torch.empty(HEADER_NBYTES, dtype=torch.uint8)
-        write_header(header, t, 0 if all_finite([x, self.worker_error]) else FLAG_NONFINITE)
-
-        def check(headers: torch.Tensor) -> None:
-            bad = read_headers(headers, t).tolist()
-            if bad:
-                raise NonFiniteGradientError(f"non-finite momentum on rank(s) {bad} at step {t}; no parameter "
-                                             "or state was updated on any rank")
-
-        m_bar = compressed_allreduce(self.comm, x, self.worker_error, self.server_error, header=header.to(dev),
-                                     check=check, workspace=self._workspace, out=x)    # errors updated in place
-        for group, p, off in self._entries():
-            state = self.state[p]
-            state["exp_avg"].copy_(m_bar[off: off + p.numel()].view(p.shape))   # m ← m̄, shared
-            if self.compress == "preconditioned":                     # m̄ = ū (sqrt(v̂) + ε); 0 where masked
-                state["exp_avg"].mul_(self._denominator(p, group, self.warmup_steps)).nan_to_num_(0.0, 0.0, 0.0)
-            self._update(p, group, state["exp_avg"], t, self.warmup_steps)
+        layout = self.layout()
+        device = layout[0].param.device if layout else saved["worker_error"].device
+        self.worker_error = saved["worker_error"].to(device=device, dtype=torch.float32).clone()
+        self.server_error = saved["server_error"].to(device=device, dtype=torch.float32).clone()
