@@ -20,7 +20,7 @@ import torch
 
 from ..comm import Communicator
 from ..comm.collectives import OneBitAllReduce
-from .protocol import (FLAG_NONFINITE, PeerMismatchError, prefix_nbytes, read_headers, read_presence,
+from .protocol import (FLAG_NONFINITE, PeerMismatchError, all_finite, prefix_nbytes, read_headers, read_presence,
                        read_trailer, trailer_numel, write_prefix, write_trailer)
 
 FLAG_SERVER_ERROR = 2          # a relayed answer's flag: the server rejected this step's messages
@@ -125,6 +125,9 @@ class OneBitReduce:
         return self.x
 
     def seal(self, step: int, flags: int, present: list[bool]) -> None:
+        # finite gradients can still make a non-finite momentum or error (overflow near float max)
+        if not all_finite([self.x, self.worker_error]):
+            flags |= FLAG_NONFINITE
         write_prefix(self.prefix, step, flags, present)
 
     def start(self) -> None:
