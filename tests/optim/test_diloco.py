@@ -6,6 +6,9 @@ counts, bad peers and bad arguments.
 
 from __future__ import annotations
 
+import io
+import math
+
 import pytest
 import torch
 
@@ -24,26 +27,41 @@ CONFIGS = {
     "diloco": {"factory": make_diloco, "kwargs": {"sync_every": 10}},
     "diloco-sgd": {"factory": make_diloco, "kwargs": {"sync_every": 10, "inner": "sgd", "inner_lr": 0.05}},
     "diloco-bf16": {"factory": make_diloco, "kwargs": {"sync_every": 10, "wire": "bf16"}},
+    "diloco-int8-skip": {"factory": make_diloco, "kwargs": {"sync_every": 10, "wire": "int8", "nonfinite": "skip"}},
 }
 H, OUTER_LR, OUTER_MOMENTUM, SIM_STEPS = 4, 0.7, 0.9, 12
 WORLDS = [1, 2]
 NUMEL = sum(p.numel() for p in problem.make_model().parameters())
+N_PARAMS = len(list(problem.make_model().parameters()))      # 4: two weights, two biases
 
 
 
 
-def _bad_peers(rank, world):
+NAN_CASES = {   # name: (wire, nonfinite, step whose gradient is NaN on the last rank; H = 2: step 1 syncs)
+    "fp32-sync": ("fp32", "raise", 1), "fp32-carried": ("fp32", "raise", 0), "bf16-skip-sync": ("bf16", "skip", 1),
+}
+
+
+def _mismatched_shapes(rank):
     p = torch.nn.Parameter(torch.randn(4, 4 if rank == 0 else 5))
     opt = DiLoCo([p], sync_every=1)
     p.grad = torch.randn_like(p)
-    mismatch = outcome_of(opt.step)
-    q = torch.nn.Parameter(torch.randn(6))
-    opt = DiLoCo([q], sync_every=2)
-    nan = []
-    for step in range(2):
-        q.grad = torch.full_like(q, float("nan") if (step == 1 and rank == world - 1) else 1.0)
-        nan.append(outcome_of(opt.step)[0])
-    return mismatch, nan
+    return outcome_of(opt.step)
+
+
+def _nan_on_last_rank(rank, world, wire, nonfinite, nan_step):
+    q = torch.nn.Parameter(torch.ones(6))
+    initial = q.detach().clone()
+    opt = DiLoCo([q], sync_every=2, wire=wire, nonfinite=nonfinite)
+    statuses, anchor_after_first_sync = [], None
+    for step in range(4):
+        q.grad = torch.full_like(q, 1.0 + rank + step)
+        if step == nan_step and rank == world - 1:
+            q.grad[2] = float("nan")
+        statuses.append(outcome_of(opt.step)[0])
+        if step == 1:
+            anchor_after_first_sync = opt.state[q]["anchor"].clone()
+    return {"statuses": statuses, "initial": initial, "anchor": anchor_after_first_sync, "final": q.detach().clone()}
 
 
 def _simulated_run(rank):
@@ -54,7 +72,8 @@ def _simulated_run(rank):
 
 
 def suite(rank, world, configs):
-    return {"bad": _bad_peers(rank, world) if world > 1 else None, "sim": _simulated_run(rank),
+    return {"mismatch": _mismatched_shapes(rank) if world > 1 else None, "sim": _simulated_run(rank),
+            "nan": {name: _nan_on_last_rank(rank, world, *case) for name, case in NAN_CASES.items()},
             "contract": contract.run_contract(rank, world, configs)}
 
 
@@ -78,15 +97,19 @@ def test_loss_falls(outcome, name):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_bytes_amortised_over_h(outcome, name):
-    """Nothing on local steps; on sync steps fp32: all-reduce of n + 3 floats; bf16:
-    all-gather of an 8-byte header plus n bf16 values."""
+    """Nothing on local steps; on sync steps, from the documented formats (optim/protocol.py,
+    comm/collectives.py): fp32, an all-reduce of n float32 deltas and the envelope's trailer
+    (1 flag + 16 step slots + 1 presence float per parameter); bf16 / int8, an all-gather of
+    the prefix (8-byte header, ceil(P / 8) bytes of presence bits) and n bf16 values, or per
+    block of 256 values (the last zero-padded) one fp32 scale and 256 int8 values."""
     world, per_rank = contract.suite_ranks(outcome, name)
-    k = CONFIGS[name]["kwargs"]["sync_every"]
-    if CONFIGS[name]["kwargs"].get("wire", "fp32") == "fp32":
-        n = 4 * (NUMEL + 3)
+    k, wire = CONFIGS[name]["kwargs"]["sync_every"], CONFIGS[name]["kwargs"].get("wire", "fp32")
+    if wire == "fp32":
+        n = 4 * (NUMEL + 1 + 16 + N_PARAMS)
         link = 2 * n * (world - 1) // world
     else:
-        n = 8 + 2 * NUMEL
+        blocks = math.ceil(NUMEL / 256)
+        n = 8 + math.ceil(N_PARAMS / 8) + (2 * NUMEL if wire == "bf16" else 4 * blocks + 256 * blocks)
         link = n * (world - 1)
     sync = {"payload_bytes": n, "link_bytes_sent": link, "link_bytes_received": link, "collectives": 1}
     for result in per_rank:
@@ -125,12 +148,32 @@ def test_matches_independent_simulation(outcome):
         assert torch.equal(result["sim"], results[0]["sim"])
 
 
-def test_bad_peers_fail_on_every_rank(outcome):
+def test_mismatched_shapes_fail_on_every_rank(outcome):
     world, results = outcome
     if world == 1:
         pytest.skip("needs peers")
-    assert all(r["bad"][0][0] == "PeerMismatchError" for r in results), [r["bad"] for r in results]
-    assert all(r["bad"][1] == ["ok", "NonFiniteGradientError"] for r in results), [r["bad"] for r in results]
+    assert all(r["mismatch"][0] == "PeerMismatchError" for r in results), [r["mismatch"] for r in results]
+
+
+@pytest.mark.parametrize("case", ["fp32-sync", "fp32-carried"])
+def test_nonfinite_raises_on_every_rank_at_the_sync(outcome, case):
+    """A NaN at the sync step, or at a local step ('raise' carries it to the next sync):
+    every rank raises at the sync, no anchor moves, and the next sync goes through."""
+    _, results = outcome
+    for r in results:
+        assert r["nan"][case]["statuses"] == ["ok", "NonFiniteGradientError", "ok", "ok"], r["nan"][case]
+        assert torch.equal(r["nan"][case]["anchor"], r["nan"][case]["initial"])
+        assert torch.equal(r["nan"][case]["final"], results[0]["nan"][case]["final"])
+
+
+def test_nonfinite_skip_skips_the_sync_and_the_next_one_joins_the_replicas(outcome):
+    _, results = outcome
+    for r in results:
+        case = r["nan"]["bf16-skip-sync"]
+        assert case["statuses"] == ["ok"] * 4
+        assert torch.equal(case["anchor"], case["initial"])
+        assert torch.equal(case["final"], results[0]["nan"]["bf16-skip-sync"]["final"])
+        assert not torch.equal(case["final"], case["initial"])
 
 
 @pytest.mark.parametrize("kwargs, name", [
@@ -151,3 +194,38 @@ def test_default_inner_is_adamw_and_lr_schedulers_reach_it():
     opt.step()
     scheduler.step()
     assert opt.inner.param_groups[0]["lr"] == pytest.approx(0.5e-3)
+
+
+def test_non_contiguous_parameters_step_like_contiguous_ones():
+    """A channels_last conv weight and a transposed matrix: same steps as contiguous twins."""
+    torch.manual_seed(5)
+    conv, wide = torch.randn(6, 3, 3, 3).to(memory_format=torch.channels_last), torch.randn(9, 5).t()
+    strided = [torch.nn.Parameter(t.clone(memory_format=torch.preserve_format)) for t in (conv, wide)]
+    plain = [torch.nn.Parameter(t.contiguous()) for t in (conv, wide)]
+    assert not strided[0].is_contiguous() and not strided[1].is_contiguous()
+    for params in (strided, plain):
+        opt = DiLoCo(params, inner=lambda ps: torch.optim.AdamW(ps, lr=0.01), sync_every=3, wire="int8")
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(7):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+    for s, p in zip(strided, plain):
+        torch.testing.assert_close(s.detach(), p.detach(), rtol=1e-6, atol=1e-7)
+    assert strided[0].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_state_dict_carries_the_envelope_and_flushes():
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = DiLoCo([p], sync_every=2)
+    for _ in range(3):
+        p.grad = torch.randn_like(p)
+        opt.step()
+    blob = io.BytesIO()
+    torch.save(opt.state_dict(), blob)
+    blob.seek(0)
+    fresh = DiLoCo([torch.nn.Parameter(p.detach().clone())], sync_every=2)
+    fresh.load_state_dict(torch.load(blob, weights_only=False))
+    assert fresh.steps_done == 3 and fresh.comm_stats.as_dict() == opt.comm_stats.as_dict()
+    with pytest.raises(ValueError, match="nonfinite"):
+        DiLoCo([p], nonfinite="ignore")

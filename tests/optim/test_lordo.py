@@ -7,6 +7,7 @@ the wire format, bad peers and bad arguments.
 
 from __future__ import annotations
 
+import io
 import math
 import warnings
 
@@ -36,6 +37,7 @@ REF = {"lr": 0.01, "rank": 3, "sync_every": 4, "omega": 0.8, "clip": 0.5, "betas
 REF_STEPS = 12
 WORLDS = [1, 3]
 NUMEL = sum(p.numel() for p in problem.make_model().parameters())   # 24*37 + 37 + 37*10 + 10 = 1305
+N_PARAMS = len(list(problem.make_model().parameters()))               # 4: two weights, two biases
 
 
 
@@ -47,17 +49,28 @@ def _mismatched_shapes(rank):
     return outcome_of(opt.step)
 
 
-def _nan_on_last_rank(rank, world, wire):
+NAN_CASES = {   # name: (wire, nonfinite, step whose gradient is NaN on the last rank; K = 2: step 1 syncs)
+    "fp32-sync": ("fp32", "raise", 1), "int8-sync": ("int8", "raise", 1), "fp32-carried": ("fp32", "raise", 0),
+    "int8-skip-sync": ("int8", "skip", 1), "fp32-skip-local": ("fp32", "skip", 0),
+}
+
+
+def _nan_on_last_rank(rank, world, wire, nonfinite, nan_step):
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(12, 8))
-    opt = LoRDO([p], rank=2, sync_every=2, wire=wire)
-    statuses = []
-    for step in range(2):
-        p.grad = torch.randn_like(p)
-        if step == 1 and rank == world - 1:
+    initial = p.detach().clone()
+    opt = LoRDO([p], rank=2, sync_every=2, wire=wire, nonfinite=nonfinite)
+    gen = torch.Generator().manual_seed(rank)
+    statuses, after_first_sync = [], None
+    for step in range(4):
+        p.grad = torch.randn(p.shape, generator=gen)
+        if step == nan_step and rank == world - 1:
             p.grad[3, 5] = float("nan")
         statuses.append(outcome_of(opt.step)[0])
-    return statuses
+        if step == 1:
+            after_first_sync = {k: opt.state[p][k].clone() for k in ("anchor", "sync_error") if k in opt.state[p]}
+    return {"statuses": statuses, "initial": initial, "after_first_sync": after_first_sync,
+            "final": p.detach().clone()}
 
 
 def _reference_run(rank, world):
@@ -73,8 +86,8 @@ def _reference_run(rank, world):
 
 
 def suite(rank, world, configs):
-    wires = {w: _nan_on_last_rank(rank, world, w) for w in ("fp32", "int8")}
-    return {"mismatch": _mismatched_shapes(rank) if world > 1 else None, "nan": wires,
+    nan = {name: _nan_on_last_rank(rank, world, *case) for name, case in NAN_CASES.items()}
+    return {"mismatch": _mismatched_shapes(rank) if world > 1 else None, "nan": nan,
             "reference": _reference_run(rank, world), "contract": contract.run_contract(rank, world, configs)}
 
 
@@ -99,15 +112,18 @@ def test_loss_falls(outcome, name):
 
 
 def sync_counters(kwargs: dict, world: int) -> dict:
-    """Per-sync counters from the documented formats: fp32 all-reduce of n + 3 floats;
-    bf16 / int8 all-gather of an 8-byte header plus the encoded delta."""
+    """Per-sync counters from the documented formats (optim/protocol.py, comm/collectives.py).
+    fp32: all-reduce of the n float32 deltas and the envelope's trailer, 1 flag + 16 step
+    slots + 1 presence float per parameter. bf16 / int8: all-gather of the prefix (8-byte
+    header, ceil(P / 8) bytes of presence bits) and the delta in bf16, or per block of 256
+    values (the last zero-padded) one fp32 scale and 256 int8 values."""
     wire = kwargs.get("wire", "fp32")
     if wire == "fp32":
-        n = 4 * (NUMEL + 3)
+        n = 4 * (NUMEL + 1 + 16 + N_PARAMS)
         link = 2 * n * (world - 1) // world
     else:
         blocks = math.ceil(NUMEL / 256)
-        n = 8 + (2 * NUMEL if wire == "bf16" else 4 * blocks + 256 * blocks)
+        n = 8 + math.ceil(N_PARAMS / 8) + (2 * NUMEL if wire == "bf16" else 4 * blocks + 256 * blocks)
         link = n * (world - 1)
     return {"payload_bytes": n, "link_bytes_sent": link, "link_bytes_received": link, "collectives": 1}
 
@@ -208,10 +224,27 @@ def test_mismatched_shapes_fail_on_every_rank(outcome):
     assert "differ across ranks" in results[0]["mismatch"][1]
 
 
-@pytest.mark.parametrize("wire", ["fp32", "int8"])
-def test_nonfinite_delta_raises_on_every_rank_at_the_sync(outcome, wire):
+@pytest.mark.parametrize("case", ["fp32-sync", "int8-sync", "fp32-carried"])
+def test_nonfinite_raises_on_every_rank_at_the_sync(outcome, case):
+    """A NaN at the sync step, or at a local step ('raise' carries it to the next sync):
+    every rank raises at the sync, and the next sync goes through."""
     _, results = outcome
-    assert all(r["nan"][wire] == ["ok", "NonFiniteGradientError"] for r in results), [r["nan"] for r in results]
+    assert all(r["nan"][case]["statuses"] == ["ok", "NonFiniteGradientError", "ok", "ok"] for r in results), \
+        [r["nan"][case]["statuses"] for r in results]
+    assert all(torch.equal(r["nan"][case]["after_first_sync"]["anchor"], r["nan"][case]["initial"]) for r in results)
+    assert all(torch.equal(r["nan"][case]["final"], results[0]["nan"][case]["final"]) for r in results)
+
+
+@pytest.mark.parametrize("case", ["int8-skip-sync", "fp32-skip-local"])
+def test_nonfinite_skip_keeps_going_and_the_next_sync_joins_the_replicas(outcome, case):
+    _, results = outcome
+    for r in results:
+        assert r["nan"][case]["statuses"] == ["ok"] * 4
+        assert torch.equal(r["nan"][case]["final"], results[0]["nan"][case]["final"])
+    if case == "int8-skip-sync":     # the sync was not made: anchor and error feedback as before it
+        for r in results:
+            assert torch.equal(r["nan"][case]["after_first_sync"]["anchor"], r["nan"][case]["initial"])
+            assert not r["nan"][case]["after_first_sync"]["sync_error"].any()
 
 
 # ---- in-process properties ---------------------------------------------------------------
@@ -291,3 +324,87 @@ def test_bad_arguments_name_the_argument(kwargs, name):
         opt = LoRDO([torch.nn.Parameter(torch.randn(4, 4))])
         with pytest.raises(ValueError, match=name):
             opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, 3))], **kwargs})
+
+
+# ---- layouts: strides, empty parameters, missing gradients, bf16 -----------------------------
+
+def _strided_pair():
+    """A channels_last conv weight, a transposed matrix and a vector; and contiguous twins."""
+    torch.manual_seed(5)
+    conv = torch.randn(6, 3, 3, 3).to(memory_format=torch.channels_last)
+    wide = torch.randn(9, 5).t()                       # 5 x 9, strides (1, 5)
+    vec = torch.randn(7)
+    strided = [torch.nn.Parameter(t.clone(memory_format=torch.preserve_format)) for t in (conv, wide, vec)]
+    plain = [torch.nn.Parameter(t.contiguous()) for t in (conv, wide, vec)]
+    assert not strided[0].is_contiguous() and not strided[1].is_contiguous()
+    return strided, plain
+
+
+def _run_with_grads(opt, params, steps, seed=0, skip=None):
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        for i, p in enumerate(params):
+            g = torch.randn(p.shape, generator=gen)
+            p.grad = None if skip and skip(step, i) else g.to(p.dtype)
+        opt.step()
+
+
+@pytest.mark.parametrize("wire", ["fp32", "int8"])
+def test_non_contiguous_parameters_step_like_contiguous_ones(wire):
+    strided, plain = _strided_pair()
+    kwargs = dict(lr=0.01, rank=2, sync_every=3, weight_decay=0.1, wire=wire, outer_momentum=0.5)
+    _run_with_grads(LoRDO(strided, **kwargs), strided, 7)
+    _run_with_grads(LoRDO(plain, **kwargs), plain, 7)
+    for s, p in zip(strided, plain):
+        torch.testing.assert_close(s.detach(), p.detach(), rtol=1e-6, atol=1e-7)
+    assert strided[0].is_contiguous(memory_format=torch.channels_last)       # strides kept
+
+
+def test_zero_element_parameters_are_left_out():
+    empty, matrix = torch.nn.Parameter(torch.randn(0, 5)), torch.nn.Parameter(torch.randn(6, 4))
+    opt = LoRDO([empty, matrix], rank=2, sync_every=2)
+    _run_with_grads(opt, [empty, matrix], 4)
+    assert not opt.state[empty] and "Q" in opt.state[matrix]
+    # the sync message holds one parameter: 24 deltas + 1 flag + 16 step slots + 1 presence float
+    assert opt.comm_stats.by_tag["payload"].as_dict()["payload_bytes"] == 2 * 4 * (24 + 1 + 16 + 1)
+
+
+def test_parameter_without_gradient_takes_no_local_step_but_is_synced():
+    """No gradient on local steps: no moments, no weight decay, no move; at the sync its
+    delta (zero at one rank) is averaged like every other parameter's."""
+    torch.manual_seed(2)
+    a, b = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(5))
+    before = b.detach().clone()
+    opt = LoRDO([a, b], rank=2, sync_every=4, weight_decay=0.5)
+    _run_with_grads(opt, [a, b], 3, skip=lambda step, i: i == 1)
+    assert torch.equal(b.detach(), before) and opt.state[b]["step"] == 0 and not opt.state[b]["exp_avg"].any()
+    assert opt.state[a]["step"] == 3
+    _run_with_grads(opt, [a, b], 1, skip=lambda step, i: i == 1)           # the sync
+    assert torch.equal(b.detach(), before) and torch.equal(opt.state[b]["anchor"], before)
+
+
+def test_bf16_parameters_keep_float32_state_through_a_checkpoint():
+    """State is float32 beside bf16 parameters (the anchor has the parameter's dtype), stays
+    so through state_dict / load_state_dict, and the resumed run continues bit-identically."""
+    torch.manual_seed(4)
+    params = [torch.nn.Parameter(torch.randn(8, 6, dtype=torch.bfloat16)),
+              torch.nn.Parameter(torch.randn(6, dtype=torch.bfloat16))]
+    opt = LoRDO(params, rank=2, sync_every=3, wire="bf16")
+    _run_with_grads(opt, params, 2)
+    blob = io.BytesIO()
+    torch.save(opt.state_dict(), blob)
+    blob.seek(0)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = LoRDO(twins, rank=2, sync_every=3, wire="bf16")
+    fresh.load_state_dict(torch.load(blob, weights_only=False))
+    for p, twin in zip(params, twins):
+        assert opt.state[p]["exp_avg"].dtype == torch.float32 and opt.state[p]["anchor"].dtype == torch.bfloat16
+        for key, saved in opt.state[p].items():
+            if torch.is_tensor(saved):
+                loaded = fresh.state[twin][key]
+                assert loaded.dtype == saved.dtype and torch.equal(loaded, saved), key
+    assert fresh.steps_done == 2
+    _run_with_grads(opt, params, 5, seed=1)                     # through the syncs at steps 3 and 6
+    _run_with_grads(fresh, twins, 5, seed=1)
+    for p, twin in zip(params, twins):
+        assert torch.equal(p, twin)

@@ -3,37 +3,69 @@ pseudo-gradient (Douillard et al., arXiv 2311.08105; torchft `DiLoCo`, OpenDiLoC
 
 On every rank, with θ₀ the parameters all ranks agreed on at the last sync (the anchor):
 
-    θ ← inner.step(θ)                               H times, local gradients, no communication
-    Δ = mean_ranks (θ₀ − θ)                         pseudo-gradient: one all-reduce, one flat buffer
-    b ← μ b + Δ                                     outer momentum (torch SGD, dampening 0)
-    θ₀ ← θ₀ − η_out (Δ + μ b)                       Nesterov; defaults η_out = 0.7, μ = 0.9
+    θ ← inner.step(θ)                               every step: local gradients, no communication
+    Δ̄ = mean_ranks (θ − θ₀)                        every H-th step, after its local step: one
+                                                    collective of one flat buffer
+    g = −Δ̄                                          the pseudo-gradient, mean_ranks (θ₀ − θ)
+    b ← μ b + g                                     outer momentum (torch SGD, dampening 0)
+    θ₀ ← θ₀ − η_out (g + μ b)                       Nesterov; defaults η_out = 0.7, μ = 0.9
     θ ← θ₀                                          every rank leaves the sync bit-identical
+
+This module also holds what LoRDO shares with DiLoCo, `PeriodicAveraging`: the sync above
+inside the step envelope (`thinwire.optim.base`). Its wire:
+
+    wire='fp32'          `ReduceAll`: one all-reduce (sum) of the float32 deltas of every
+                         parameter, in layout order, followed by the envelope's trailer
+                         (`protocol.trailer_numel(P)` floats for P parameters): 4 (n + 17 + P)
+                         bytes per rank and sync for n elements
+    wire='bf16'|'int8'   `GatherAll`: each rank's x = Δ + e encoded by `DeltaCodec` (bf16, or
+                         int8 with one fp32 scale per 256 values) after the envelope's prefix
+                         (8-byte header, ceil(P / 8) bytes of presence); every rank decodes all
+                         rows in rank order and sums them in that order (`DeltaCodec.mean`).
+                         e ← x − decode(encode(x)): what the encoding lost, sent at the next sync
+
+Nothing crosses the wire on local steps, so the cost per step is the sync's over H. Every
+parameter takes part in every sync, with or without a gradient (its delta exists anyway).
+
+Non-finite gradients (`nonfinite`, the envelope's policy): a rank whose gradients are not
+finite skips its local step. At a sync, every rank sees the flag (that step's, or one a
+'raise' rank carried from a local step) and raises NonFiniteGradientError ('raise') or
+skips the sync ('skip'); either way the sync is not made on any rank: anchors, outer
+momenta, error feedback and (LoRDO) bases are unchanged, the healthy ranks keep that step's
+local step as on any local step, and the replicas next meet at the following sync.
 
 The inner optimizer's groups are this object's groups (shared), so LR schedulers act on
 the inner learning rate. Between syncs replicas differ by design; right after each sync
-they are bit-identical. Bytes are counted by the communicator like every optimizer's:
-nothing on local steps, the whole model (plus a 12-byte trailer) on sync steps, so the
-per-step cost amortised over H is (4 n + 12) / H for fp32.
-
-This module also holds what LoRDO shares with DiLoCo: `DeltaSync` (mean of a flat vector
-over ranks with bad-peer checks and optional bf16/int8 compression with error feedback)
-and `outer_step`.
+they are bit-identical.
 """
 
 from __future__ import annotations
 
-import math
+from typing import NamedTuple
 
 import torch
 
-from ..wire import get_codec
-from .base import STATS_KEY, CommunicatingOptimizer
-from .protocol import (FLAG_NONFINITE, HEADER_NBYTES, NonFiniteGradientError, PeerMismatchError, all_finite,
-                       read_headers, write_header)
+from ..comm import DeltaCodec
+from ..comm.collectives import DELTA_WIRES
+from ..ops import nesterov_outer_
+from .base import CommunicatingOptimizer, Member
+from .exchange import GatherAll, ReduceAll
 
-WIRES = ("fp32", "bf16", "int8")
-INT8_BLOCK = 256        # values per int8 scale
-TRAILER = 3             # fp32 all-reduce: [non-finite flags, s, s^2] with s = step mod 256
+
+class Slot(NamedTuple):
+    """One parameter's place in the flat delta: its group, tensor and element range."""
+    group: dict
+    param: torch.Tensor
+    offset: int
+    numel: int
+
+
+def slots_of(layout: list[Member]) -> list[Slot]:
+    slots, offset = [], 0
+    for group, p in layout:
+        slots.append(Slot(group, p, offset, p.numel()))
+        offset += p.numel()
+    return slots
 
 
 def check_sync_every(sync_every) -> int:
@@ -49,104 +81,127 @@ def check_outer(outer_lr, outer_momentum) -> None:
         raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
 
 
-class DeltaSync:
-    """The mean over ranks of one flat float32 vector, in one collective.
+def check_wire(wire) -> str:
+    if wire not in DELTA_WIRES:
+        raise ValueError(f"wire must be one of {DELTA_WIRES}, got {wire!r}")
+    return wire
 
-    wire='fp32': all-reduce (sum) of [x, flag, s, s²]; the three trailing floats let every
-    rank see, in the same collective, whether any rank's x was non-finite and whether all
-    ranks were at the same step (n·Σs² = (Σs)² only when all s are equal; exact in fp32
-    for s < 256 and up to 16 ranks). wire='bf16' | 'int8': a compressed sum cannot be
-    re-quantised at every ring hop without losing more, so each rank all-gathers an 8-byte
-    protocol header plus its encoded x (bf16, or int8 with one fp32 scale per block of 256
-    values, zero-padded), and every rank decodes all messages in rank order and sums them
-    in float32 in that order: deterministic, so replicas stay bit-identical. What the
-    encoding loses is added to `error` (in place), so it is sent at the next sync.
+
+def write_delta(out: torch.Tensor, p: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """Δ = θ − θ₀ into `out` (float32, contiguous, p's shape), each in float32: exact for bf16 θ."""
+    return out.copy_(p).sub_(anchor)
+
+
+def _reuse(buf: torch.Tensor | None, numel: int, device) -> torch.Tensor:
+    if buf is None or buf.numel() != numel or buf.device != torch.device(device):
+        buf = torch.empty(numel, dtype=torch.float32, device=device)
+    return buf
+
+
+class PeriodicAveraging(CommunicatingOptimizer):
+    """Local steps, and every `sync_every`-th step the averaged parameter delta (the module
+    docstring's sync). A subclass supplies `_local_step(step, layout)` (the inner update of
+    every parameter with a gradient) and optionally `_after_sync(slot, mean_delta)` and
+    `_describe_param(group, p)`; it calls `_init_sync(...)` after torch's __init__.
+
+    State per parameter, in self.state[p]: 'anchor' θ₀ (p's dtype and shape, contiguous),
+    'outer_momentum' b (float32 [n], when μ > 0), 'sync_error' e (float32 [n], lossy wires).
     """
 
-    def __init__(self, comm, wire: str):
-        if wire not in WIRES:
-            raise ValueError(f"wire must be one of {WIRES}, got {wire!r}")
-        self.comm, self.wire = comm, wire
-        self.codec = None if wire == "fp32" else get_codec(wire)
+    kind = "periodic-averaging"
 
-    def _grid(self, n: int) -> tuple[int, int]:
-        return (math.ceil(n / INT8_BLOCK), INT8_BLOCK) if self.wire == "int8" else (1, n)
+    def _init_sync(self, process_group, nonfinite: str, sync_every: int, outer_lr: float,
+                   outer_momentum: float, wire: str) -> None:
+        self.sync_every = check_sync_every(sync_every)
+        check_outer(outer_lr, outer_momentum)
+        self.outer_lr, self.outer_momentum, self.wire = outer_lr, outer_momentum, check_wire(wire)
+        self._init_comm(process_group, nonfinite)
+        self.codec = None if wire == "fp32" else DeltaCodec(wire)
+        self._message = ReduceAll(self.comm) if self.codec is None else GatherAll(self.comm)
+        self._x = self._unsent = None       # lossy wires: x = Δ + e, and x − decoded(x) until applied
 
-    def mean_delta(self, params: list, state: dict, step: int) -> torch.Tensor:
-        """mean over ranks of θ − θ₀ (state[p]['anchor']) for all params, one flat float32
-        buffer in param order. On a lossy wire each state[p]['sync_error'] keeps what its
-        part of the message lost, fed back at the next sync."""
-        delta = torch.cat([(p.detach() - state[p]["anchor"]).reshape(-1).float() for p in params])
-        if self.wire == "fp32":
-            return self.mean(delta, step)
-        for p in params:
-            state[p].setdefault("sync_error", torch.zeros(p.numel(), device=p.device))
-        error = torch.cat([state[p]["sync_error"] for p in params])
-        mean = self.mean(delta, step, error)                 # error updated in place
-        for p, part in zip(params, error.split([p.numel() for p in params])):
-            state[p]["sync_error"].copy_(part)
-        return mean
+    # ---- what the algorithm adds ---------------------------------------------------------
+    def _local_step(self, step: int, layout: list[Member]) -> None:
+        raise NotImplementedError
 
-    def mean(self, x: torch.Tensor, step: int, error: torch.Tensor | None = None) -> torch.Tensor:
-        if self.wire == "fp32":
-            return self._all_reduce(x, step)
-        return self._all_gather(x if error is None else x + error, step, error)
+    def _after_sync(self, slot: Slot, mean_delta: torch.Tensor) -> None:
+        """After θ ← θ₀ at a sync, with this parameter's Δ̄ (flat float32) (default: nothing)."""
 
-    def _all_reduce(self, x: torch.Tensor, step: int) -> torch.Tensor:
-        n, s = x.numel(), step % 256
-        buf = torch.empty(n + TRAILER, dtype=torch.float32, device=x.device)
-        buf[:n].copy_(x)
-        buf[n:] = torch.tensor([0.0 if all_finite([x]) else 1.0, s, s * s])
-        self.comm.all_reduce(buf)
-        bad, s1, s2 = (float(v) for v in buf[n:].double())
-        if self.comm.world_size * s2 != s1 * s1:
-            raise PeerMismatchError(f"ranks are out of lockstep at the sync of step {step}: "
-                                    "were they resumed from different checkpoints?")
-        self._raise_if_bad(bad > 0, step, f"{int(bad)} rank(s)")
-        mean = buf[:n].div_(self.comm.world_size)
-        self._raise_if_bad(not all_finite([mean]), step, "the sum (overflow)")
-        return mean
+    def _describe_param(self, group: dict, p: torch.Tensor) -> str:
+        return ""
 
-    def _all_gather(self, x: torch.Tensor, step: int, error: torch.Tensor | None) -> torch.Tensor:
-        n = x.numel()
-        rows, cols = self._grid(n)
-        grid = torch.zeros(rows * cols, dtype=torch.float32, device=x.device)
-        grid[:n].copy_(x)
-        msg = torch.empty(HEADER_NBYTES + self.codec.nbytes(rows, cols), dtype=torch.uint8, device=x.device)
-        write_header(msg, step, 0 if all_finite([x]) else FLAG_NONFINITE)
-        self.codec.encode(grid.view(rows, cols), out=msg[HEADER_NBYTES:])
-        if error is not None:    # keep exactly what the receivers will not see
-            sent = self.codec.decode(msg[HEADER_NBYTES:], rows, cols).view(-1)[:n]
-            error.copy_(x - sent)
-        gathered = self.comm.all_gather(msg)
-        bad = read_headers(gathered[:, :HEADER_NBYTES], step).tolist()
-        self._raise_if_bad(bool(bad), step, f"rank(s) {bad}")
-        total = torch.zeros(n, dtype=torch.float32, device=x.device)
-        for r in range(gathered.shape[0]):           # rank order: the same sum on every rank
-            total += self.codec.decode(gathered[r, HEADER_NBYTES:], rows, cols).view(-1)[:n]
-        mean = total.div_(self.comm.world_size)
-        self._raise_if_bad(not all_finite([mean]), step, "the sum (overflow)")
-        return mean
+    # ---- the envelope's hooks ------------------------------------------------------------
+    def _describe(self, layout: list[Member]) -> str:
+        lines = [f"{self.kind} world_size={self.comm.world_size} K={self.sync_every} wire={self.wire} "
+                 f"outer={self.outer_lr},{self.outer_momentum}"]
+        lines += [f"{tuple(p.shape)} {p.dtype} {self._describe_param(g, p)}".rstrip() for g, p in layout]
+        return "\n".join(lines)
 
-    @staticmethod
-    def _raise_if_bad(bad: bool, step: int, who: str) -> None:
-        if bad:
-            raise NonFiniteGradientError(f"non-finite parameter delta from {who} at the sync of step {step}; "
-                                         "no parameter was averaged on any rank")
+    def _presence(self, layout: list[Member]) -> list[bool]:
+        """Every parameter has a delta to send, gradient or not."""
+        return [True] * len(layout)
+
+    def _exchange(self, step: int, layout: list[Member]):
+        if step % self.sync_every or not layout:
+            return None                                             # a local step
+        n, device = sum(p.numel() for _, p in layout), layout[0].param.device
+        if self.codec is None:
+            self._message.resize(len(layout), n, torch.float32, device)
+        else:
+            self._message.resize(len(layout), self.codec.nbytes(n), device)
+        return self._message
+
+    def _prepare(self, step: int, layout: list[Member]) -> None:
+        for _, p in layout:
+            state = self.state[p]
+            if "anchor" not in state:                               # θ₀: the parameters before the first step
+                state["anchor"] = p.detach().clone(memory_format=torch.contiguous_format)
+            elif not state["anchor"].is_contiguous():               # a loaded one, whatever its strides
+                state["anchor"] = state["anchor"].contiguous()
+            if self.outer_momentum and "outer_momentum" not in state:
+                state["outer_momentum"] = torch.zeros(p.numel(), device=p.device)
+            if self.codec is not None and "sync_error" not in state:
+                state["sync_error"] = torch.zeros(p.numel(), device=p.device)
+
+    def _encode(self, step: int, layout: list[Member], exchange) -> None:
+        """The local step; at a sync, then Δ = θ − θ₀ of every parameter into the message."""
+        self._local_step(step, layout)
+        if exchange is None:
+            return
+        slots = slots_of(layout)
+        n, device = sum(s.numel for s in slots), layout[0].param.device
+        x = exchange.payload if self.codec is None else _reuse(self._x, n, device)
+        for _, p, offset, numel in slots:
+            part = x[offset: offset + numel]
+            # Δ = θ − θ₀
+            write_delta(part.view(p.shape), p, self.state[p]["anchor"])
+            if self.codec is not None:
+                # x = Δ + e                      error feedback: what earlier syncs did not deliver
+                part.add_(self.state[p]["sync_error"])
+        if self.codec is not None:
+            self._x, self._unsent = x, _reuse(self._unsent, n, device)
+            # e' = x − decode(encode(x)), kept aside: a sync that is not made must leave e as it was
+            self.codec.encode(x, out=exchange.payload, error=self._unsent)
+
+    def _apply(self, step: int, layout: list[Member], delivery) -> None:
+        slots = slots_of(layout)
+        n = sum(s.numel for s in slots)
+        # Δ̄ = mean_ranks Δ   (fp32: the all-reduce's mean; lossy: every row decoded, summed in rank order)
+        mean = delivery.data if self.codec is None else self.codec.mean(delivery.data, n)
+        for slot in slots:
+            p, state = slot.param, self.state[slot.param]
+            part = mean[slot.offset: slot.offset + slot.numel]
+            if self.codec is not None:                              # e ← e'
+                state["sync_error"].copy_(self._unsent[slot.offset: slot.offset + slot.numel])
+            # g = −Δ̄;  b ← μ b + g;  θ₀ ← θ₀ − η_out (g + μ b)
+            nesterov_outer_(state["anchor"].view(-1), part.neg(), state.get("outer_momentum"),
+                            self.outer_lr, self.outer_momentum)
+            # θ ← θ₀
+            p.copy_(state["anchor"])
+            self._after_sync(slot, part)
 
 
-def outer_step(anchor: torch.Tensor, mean_delta: torch.Tensor, buf: torch.Tensor | None,
-               lr: float, momentum: float) -> None:
-    """θ₀ ← θ₀ − lr (g + μ b), b ← μ b + g, with g = −mean_delta (torch SGD, Nesterov,
-    dampening 0, b starting at 0). lr = 1, μ = 0 is plain averaging: θ₀ + mean_delta."""
-    g = mean_delta.neg()
-    if buf is not None and momentum:
-        buf.mul_(momentum).add_(g)
-        g = g.add(buf, alpha=momentum)
-    anchor.add_(g.to(anchor.dtype), alpha=-lr)
-
-
-class DiLoCo(CommunicatingOptimizer):
+class DiLoCo(PeriodicAveraging):
     """DiLoCo over any inner optimizer; see the module docstring for the equations.
 
     Args:
@@ -155,63 +210,35 @@ class DiLoCo(CommunicatingOptimizer):
         sync_every: H, local steps between syncs (default 32; papers use 20-500).
         outer_lr, outer_momentum: Nesterov outer SGD (defaults 0.7 and 0.9, as published).
         wire: 'fp32' (default) | 'bf16' | 'int8' for the pseudo-gradient, with error feedback.
+        nonfinite: 'raise' (default) or 'skip' when any rank's gradients are not finite; see
+            the module docstring.
     Initial parameters must be identical on all ranks (as with DDP's broadcast).
     """
 
+    kind = "diloco"
+
     def __init__(self, params, inner=None, sync_every: int = 32, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, wire: str = "fp32", process_group=None):
-        self.sync_every = check_sync_every(sync_every)
+                 outer_momentum: float = 0.9, wire: str = "fp32", nonfinite: str = "raise", process_group=None):
+        check_sync_every(sync_every)
         check_outer(outer_lr, outer_momentum)
-        self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
+        check_wire(wire)
         self.inner = torch.optim.AdamW(params) if inner is None else inner(params)
         if not isinstance(self.inner, torch.optim.Optimizer):
             raise ValueError(f"inner must build a torch.optim.Optimizer, got {type(self.inner).__name__}")
         super().__init__(self.inner.param_groups, {})    # shared group dicts: schedulers reach inner
-        self._init_comm(process_group)
-        self.sync = DeltaSync(self.comm, wire)
-        self.wire = wire
+        self._init_sync(process_group, nonfinite, sync_every, outer_lr, outer_momentum, wire)
 
-    def _describe(self) -> str:
-        shapes = " ".join(f"{tuple(p.shape)}:{p.dtype}" for p in self.params)
-        return (f"diloco world_size={self.comm.world_size} H={self.sync_every} wire={self.wire} "
-                f"outer={self.outer_lr},{self.outer_momentum} {shapes}")
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._begin_step(closure)
-        description = self._describe()
-        self._agree(description)
-        params = self.params
-        for p in params:                              # θ₀ is the parameters before the first step
-            if "anchor" not in self.state[p]:
-                self.state[p].update(anchor=p.detach().clone(), step=0)
+    def _local_step(self, step: int, layout: list[Member]) -> None:
+        # θ ← inner.step(θ)   (torch optimizers skip parameters without a gradient)
         self.inner.step()
-        for p in params:
-            self.state[p]["step"] += 1
-        step = self.state[params[0]]["step"]
-        if step % self.sync_every == 0:
-            self._sync(params, step)
-        return loss
-
-    def _sync(self, params, step: int) -> None:
-        mean = self.sync.mean_delta(params, self.state, step)
-        offset = 0
-        for p in params:
-            state, n = self.state[p], p.numel()
-            if self.outer_momentum and "outer_momentum" not in state:
-                state["outer_momentum"] = torch.zeros(n, device=p.device)
-            outer_step(state["anchor"].view(-1), mean[offset: offset + n], state.get("outer_momentum"),
-                       self.outer_lr, self.outer_momentum)
-            p.copy_(state["anchor"])
-            offset += n
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
-        params = self.params
-        outer = [{k: v for k, v in self.state[p].items()} for p in params]
-        return {"inner": self.inner.state_dict(), "outer": outer, STATS_KEY: self.comm.stats.state_dict()}
+        self.flush()
+        outer = [dict(self.state[p]) for p in self.params]
+        return {"inner": self.inner.state_dict(), "outer": outer, **self._envelope_state()}
 
     def load_state_dict(self, state_dict) -> None:
         params = self.params
@@ -223,5 +250,4 @@ class DiLoCo(CommunicatingOptimizer):
         self.param_groups = self.inner.param_groups       # re-share the inner's new group dicts
         for p, saved in zip(params, outer):
             self.state[p] = {k: (v.to(p.device).clone() if torch.is_tensor(v) else v) for k, v in saved.items()}
-        if STATS_KEY in state_dict:
-            self.comm.stats.load_state_dict(state_dict[STATS_KEY])
+        self._load_envelope_state(state_dict)

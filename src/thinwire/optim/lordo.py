@@ -9,11 +9,13 @@ Local step on rank m, for each matrix parameter θ (p x q; conv weights as p x r
     D = √(v / (1−β₂ᵗ)) + ε                          low-rank denominator
     θ ← θ (1 − η λ) − η [ ω P*(u / ((1−β₁ᵗ) D)) + (1−ω) Ĝ / mean(D) ]
 
-Sync every K = sync_every steps, for all parameters in one flat buffer:
+Sync every K = sync_every steps (after that step's local step), for all parameters in one
+flat buffer (`thinwire.optim.diloco.PeriodicAveraging`: wire formats, error feedback, and
+what a non-finite gradient does):
 
-    Δ = mean_ranks (θ − θ₀)                         one all-reduce (or compressed all-gather)
-    θ₀ ← outer(θ₀, Δ);  θ ← θ₀                      default outer: plain averaging θ₀ + Δ
-    Q_new = top-r singular vectors of Δ (fp32 SVD);  u, v rotated from Q into Q_new
+    Δ̄ = mean_ranks (θ − θ₀)                        one all-reduce (or compressed all-gather)
+    θ₀ ← outer(θ₀, Δ̄);  θ ← θ₀                     default outer: plain averaging θ₀ + Δ̄
+    Q_new = top-r singular vectors of Δ̄ (fp32 SVD); u, v rotated from Q into Q_new
 
 Choices where the paper leaves room or differs from its code, stated:
   * Full-rank term normaliser: v is r-dimensional and cannot divide the p x q Ĝ
@@ -21,7 +23,9 @@ Choices where the paper leaves room or differs from its code, stated:
     denominator, mean(√v̂ + ε), which is how the paper's μ(·) reads (μ = mean). The
     full-rank term uses the clipped gradient Ĝ, as the paper's equation, not Ĝ + E.
   * Adam bias correction (1−βᵗ) is applied, as in Adam and GaLore; the paper's equations
-    omit it. Weight decay is decoupled (AdamW).
+    omit it; t counts this parameter's local steps (state 'step'), as torch.optim.Adam's
+    does. Weight decay is decoupled (AdamW). A parameter without a gradient takes no local
+    step (no moments, no decay) but is synced like every other.
   * Initial Q (before the first sync): the first r columns of the identity, known to all
     ranks without communication. Moment rotation: see `thinwire.ops.lowrank.rotate_moments`.
   * Vectors, scalars and groups with low_rank=False (put embeddings and the head there)
@@ -38,16 +42,13 @@ Between syncs replicas differ by design; right after every sync they are bit-ide
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
 
-from ..ops import lowrank
-from .base import CommunicatingOptimizer
-from .diloco import DeltaSync, check_outer, check_sync_every, outer_step
-
-_GROUP_KEYS = ("lr", "rank", "omega", "clip", "betas", "eps", "weight_decay", "low_rank", "error_feedback")
+from ..ops import adam_denominator, lowrank
+from .base import Member
+from .diloco import PeriodicAveraging, Slot
 
 
 def _check_group(g: dict) -> None:
@@ -72,7 +73,67 @@ def _check_group(g: dict) -> None:
         raise ValueError(f"low_rank must be None (auto: matrices), True or False, got {g['low_rank']!r}")
 
 
-class LoRDO(CommunicatingOptimizer):
+def clipped(grad: torch.Tensor, rho: float | None) -> torch.Tensor:
+    """Ĝ = G · min(1, ρ / ‖G‖_F), in float32 (ρ None: G, not clipped). Never written to."""
+    g = grad.float()
+    if rho is None:
+        return g
+    return g * min(1.0, rho / max(float(g.norm()), 1e-300))
+
+
+def adam_moments_(u: torch.Tensor, v: torch.Tensor, g: torch.Tensor, betas: tuple[float, float]) -> None:
+    beta1, beta2 = betas
+    # u ← β₁ u + (1 − β₁) g
+    u.lerp_(g, 1.0 - beta1)
+    # v ← β₂ v + (1 − β₂) g²
+    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+
+
+def full_rank_step_(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, t: int) -> None:
+    """AdamW's step on Ĝ (vectors, scalars, low_rank=False); weight decay already applied."""
+    (beta1, beta2), lr = group["betas"], group["lr"]
+    u, v = state["exp_avg"], state["exp_avg_sq"]
+    adam_moments_(u, v, g, group["betas"])
+    # D = √(v / (1 − β₂ᵗ)) + ε
+    d = adam_denominator(v, 1.0 - beta2 ** t, group["eps"])
+    # θ ← θ − η u / ((1 − β₁ᵗ) D)
+    p.addcdiv_(u.to(p.dtype), d.to(p.dtype), value=-lr / (1.0 - beta1 ** t))
+
+
+def low_rank_step_(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, t: int) -> None:
+    """The low-rank step of the module docstring on Ĝ (as p × rest); weight decay already applied."""
+    (beta1, beta2), lr, omega = group["betas"], group["lr"], group["omega"]
+    matrix, q, error = g.reshape(p.shape[0], -1), state["Q"], state.get("error")
+    where = lowrank.side(tuple(matrix.shape))
+    # X = Ĝ + E                                       (error_feedback=False: X = Ĝ)
+    fed = matrix if error is None else matrix + error
+    # ĝ = P(X)
+    low = lowrank.project(fed, q, where)
+    if error is not None:
+        # E ← X − P*(ĝ)
+        torch.sub(fed, lowrank.lift(low, q, where), out=error)
+    u, v = state["exp_avg"], state["exp_avg_sq"]
+    adam_moments_(u, v, low, group["betas"])
+    # D = √(v / (1 − β₂ᵗ)) + ε                        low-rank, like u and v
+    d = adam_denominator(v, 1.0 - beta2 ** t, group["eps"])
+    if omega > 0.0:
+        # θ ← θ − η ω P*(u / ((1 − β₁ᵗ) D))
+        p.add_(lowrank.lift(u / d, q, where).view(p.shape).to(p.dtype), alpha=-lr * omega / (1.0 - beta1 ** t))
+    if omega < 1.0:
+        # θ ← θ − η (1 − ω) Ĝ / mean(D)
+        p.add_(g.to(p.dtype), alpha=-lr * (1.0 - omega) / float(d.mean()))
+
+
+def refresh_basis_(state: dict, mean_delta: torch.Tensor) -> None:
+    """Q_new = top-r singular vectors of Δ̄ (p × rest); u, v re-expressed from Q in Q_new."""
+    where, q_old = lowrank.side(tuple(mean_delta.shape)), state["Q"]
+    q_new = lowrank.top_singular_basis(mean_delta, q_old.shape[1], where)
+    state["exp_avg"], state["exp_avg_sq"] = lowrank.rotate_moments(
+        state["exp_avg"], state["exp_avg_sq"], q_old, q_new, where)
+    state["Q"] = q_new
+
+
+class LoRDO(PeriodicAveraging):
     """Low-rank Adam between syncs, parameter averaging every `sync_every` steps; see the
     module docstring for the equations and the choices made.
 
@@ -85,25 +146,27 @@ class LoRDO(CommunicatingOptimizer):
             True or False (False: full-rank AdamW; use it for embeddings and the head).
         error_feedback (per group): keep E (default True; False saves one p x q buffer).
         wire: 'fp32' (default, all-reduce) | 'bf16' | 'int8' for the synced delta, with
-            error feedback (see `thinwire.optim.diloco.DeltaSync`).
+            error feedback (see `thinwire.optim.diloco`).
         outer_lr, outer_momentum: optional Nesterov outer step on the averaged delta;
             the defaults 1.0 and 0.0 are plain averaging.
+        nonfinite: 'raise' (default) or 'skip' when any rank's gradients are not finite
+            (see `thinwire.optim.diloco`).
     Initial parameters must be identical on all ranks (as with DDP's broadcast).
+    State per parameter: 'step', 'exp_avg', 'exp_avg_sq' (float32), for low-rank ones 'Q'
+    and 'error' (float32, p × rest), and the sync's 'anchor' etc. (`PeriodicAveraging`).
     """
+
+    kind = "lordo"
 
     def __init__(self, params, lr: float = 1e-3, rank: int = 256, sync_every: int = 32, omega: float = 0.97,
                  clip: float | None = 1.0, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  process_group=None, *, low_rank: bool | None = None, error_feedback: bool = True,
-                 wire: str = "fp32", outer_lr: float = 1.0, outer_momentum: float = 0.0):
+                 wire: str = "fp32", outer_lr: float = 1.0, outer_momentum: float = 0.0, nonfinite: str = "raise"):
         defaults = dict(lr=lr, rank=rank, omega=omega, clip=clip, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, low_rank=low_rank, error_feedback=error_feedback)
         _check_group(defaults)
-        self.sync_every = check_sync_every(sync_every)
-        check_outer(outer_lr, outer_momentum)
-        self.outer_lr, self.outer_momentum, self.wire = outer_lr, outer_momentum, wire
         super().__init__(params, defaults)
-        self._init_comm(process_group)
-        self.sync = DeltaSync(self.comm, wire)
+        self._init_sync(process_group, nonfinite, sync_every, outer_lr, outer_momentum, wire)
         self._warned = False
 
     def add_param_group(self, param_group: dict) -> None:
@@ -119,103 +182,46 @@ class LoRDO(CommunicatingOptimizer):
         if r < group["rank"] and not self._warned:
             self._warned = True
             warnings.warn(f"LoRDO rank {group['rank']} exceeds min(p, q) of a {shape[0]}x{shape[1]} parameter; "
-                          f"clamped to {r} (warned once)", stacklevel=3)
+                          f"clamped to {r} (warned once)", stacklevel=7)
         return r
 
-    def _describe(self) -> str:
-        lines = [f"lordo world_size={self.comm.world_size} K={self.sync_every} wire={self.wire} "
-                 f"outer={self.outer_lr},{self.outer_momentum}"]
-        for g in self.param_groups:
-            wire = ",".join(f"{k}={g[k]}" for k in ("rank", "low_rank"))
-            lines += [f"{tuple(p.shape)} {p.dtype} {wire}" for p in g["params"]]
-        return "\n".join(lines)
+    def _describe_param(self, group: dict, p: torch.Tensor) -> str:
+        return f"rank={group['rank']},low_rank={group['low_rank']}"
 
-    def _init_state(self, group: dict, p: torch.Tensor) -> dict:
-        state = self.state[p]
-        state.update(step=0, anchor=p.detach().clone())
-        if self.is_low_rank(group, p):
-            shape = (p.shape[0], p[0].numel())
-            r = self._rank_of(group, shape)
-            small = lowrank.low_rank_shape(shape, r)
-            state.update(Q=lowrank.initial_basis(shape, r, device=p.device),
-                         exp_avg=torch.zeros(small, device=p.device), exp_avg_sq=torch.zeros(small, device=p.device))
-            if group["error_feedback"]:
-                state["error"] = torch.zeros(shape, device=p.device)
-        else:
-            state.update(exp_avg=torch.zeros_like(p, dtype=torch.float32),
-                         exp_avg_sq=torch.zeros_like(p, dtype=torch.float32))
-        return state
+    def _prepare(self, step: int, layout: list[Member]) -> None:
+        super()._prepare(step, layout)
+        for group, p in layout:
+            state = self.state[p]
+            if "exp_avg" in state:
+                continue
+            state["step"] = 0
+            if self.is_low_rank(group, p):
+                shape = (p.shape[0], p[0].numel())                    # p × rest (conv weights: o × i·kh·kw)
+                r = self._rank_of(group, shape)
+                small = lowrank.low_rank_shape(shape, r)
+                state.update(Q=lowrank.initial_basis(shape, r, device=p.device),
+                             exp_avg=torch.zeros(small, device=p.device),
+                             exp_avg_sq=torch.zeros(small, device=p.device))
+                if group["error_feedback"]:
+                    state["error"] = torch.zeros(shape, device=p.device)
+            else:
+                state.update(exp_avg=torch.zeros_like(p, dtype=torch.float32),
+                             exp_avg_sq=torch.zeros_like(p, dtype=torch.float32))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._begin_step(closure)
-        description = self._describe()
-        self._agree(description)
-        params = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p] or self._init_state(group, p)
-                state["step"] += 1
-                params.append(p)
-                if p.grad is not None:
-                    self._local_step(group, p, state)
-        step = self.state[params[0]]["step"]
-        if step % self.sync_every == 0:
-            self._sync(params, step)
-        return loss
+    def _local_step(self, step: int, layout: list[Member]) -> None:
+        for group, p in layout:
+            if p.grad is None:                                        # no gradient: no local step
+                continue
+            state = self.state[p]
+            state["step"] += 1
+            g = clipped(p.grad, group["clip"])
+            if group["weight_decay"]:
+                # θ ← θ (1 − η λ)
+                p.mul_(1.0 - group["lr"] * group["weight_decay"])
+            step_ = low_rank_step_ if "Q" in state else full_rank_step_
+            step_(p, g, state, group, state["step"])
 
-    def _local_step(self, group: dict, p: torch.Tensor, state: dict) -> None:
-        beta1, beta2 = group["betas"]
-        t, lr = state["step"], group["lr"]
-        grad = p.grad.detach().float()
-        if group["clip"] is not None:
-            grad = grad * min(1.0, group["clip"] / max(float(grad.norm()), 1e-300))
-        bc1, bc2_sqrt = 1.0 - beta1 ** t, math.sqrt(1.0 - beta2 ** t)
-        u, v = state["exp_avg"], state["exp_avg_sq"]
-        if group["weight_decay"]:
-            p.mul_(1.0 - lr * group["weight_decay"])
-        if "Q" not in state:                               # full-rank AdamW
-            u.lerp_(grad, 1.0 - beta1)
-            v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-            denom = (v.sqrt() / bc2_sqrt).add_(group["eps"])
-            p.addcdiv_(u.to(p.dtype), denom.to(p.dtype), value=-lr / bc1)
-            return
-        matrix, q = grad.view(p.shape[0], -1), state["Q"]
-        where = lowrank.side(tuple(matrix.shape))
-        fed = matrix + state["error"] if "error" in state else matrix
-        g = lowrank.project(fed, q, where)
-        if "error" in state:
-            state["error"].copy_(fed - lowrank.lift(g, q, where))
-        u.lerp_(g, 1.0 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-        denom = (v.sqrt() / bc2_sqrt).add_(group["eps"])
-        omega, view = group["omega"], p.view(p.shape[0], -1)
-        if omega > 0.0:
-            view.add_(lowrank.lift(u / denom, q, where).to(p.dtype), alpha=-lr * omega / bc1)
-        if omega < 1.0:
-            view.add_(matrix.to(p.dtype), alpha=-lr * (1.0 - omega) / float(denom.mean()))
-
-    def _sync(self, params: list, step: int) -> None:
-        """Average the deltas since the last sync, move every replica to the result, and
-        refresh each low-rank parameter's basis from the averaged delta."""
-        mean = self.sync.mean_delta(params, self.state, step)
-        offset = 0
-        for p in params:
-            state, n = self.state[p], p.numel()
-            part = mean[offset: offset + n]
-            if self.outer_momentum and "outer_momentum" not in state:
-                state["outer_momentum"] = torch.zeros(n, device=p.device)
-            outer_step(state["anchor"].view(-1), part, state.get("outer_momentum"), self.outer_lr,
-                       self.outer_momentum)
-            p.copy_(state["anchor"])
-            if "Q" in state:
-                self._refresh(state, part.view(p.shape[0], -1))
-            offset += n
-
-    @staticmethod
-    def _refresh(state: dict, mean_delta: torch.Tensor) -> None:
-        where, q_old = lowrank.side(tuple(mean_delta.shape)), state["Q"]
-        q_new = lowrank.top_singular_basis(mean_delta, q_old.shape[1], where)
-        state["exp_avg"], state["exp_avg_sq"] = lowrank.rotate_moments(
-            state["exp_avg"], state["exp_avg_sq"], q_old, q_new, where)
-        state["Q"] = q_new
+    def _after_sync(self, slot: Slot, mean_delta: torch.Tensor) -> None:
+        state = self.state[slot.param]
+        if "Q" in state:
+            refresh_basis_(state, mean_delta.view(slot.param.shape[0], -1))
