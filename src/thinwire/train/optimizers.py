@@ -93,7 +93,7 @@ def _demo(model, cfg, lr):
 
 
 def _apmsqueeze(model, cfg, lr):
-    warmup = round(cfg.compressed_after * cfg.steps)
+    warmup = max(1, round(cfg.compressed_after * cfg.steps))        # APMSqueeze needs >= 1 Adam step for v
     return _wrap(APMSqueeze(model.parameters(), lr=lr, warmup_steps=warmup, betas=(0.9, 0.95)), model)
 
 
