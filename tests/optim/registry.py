@@ -21,6 +21,7 @@ import torch
 import thinwire
 
 SYNC_EVERY = 4
+APM_WARMUP = 4
 
 
 class Config(NamedTuple):
@@ -70,8 +71,8 @@ REGISTRY: dict[str, Config] = {
     # warmup longer than any run: dense fp32 all-reduce with the trailer every step
     "apmsqueeze-warmup": Config(lambda ps: thinwire.APMSqueeze(ps, lr=1e-2, warmup_steps=1000), 1,
                                 lambda w, s: {"payload": dense_bytes(s, 4)}),
-    # one warmup step, then 1-bit phases (byte count checked from step 2 on)
-    "apmsqueeze-compressed": Config(lambda ps: thinwire.APMSqueeze(ps, lr=1e-2, warmup_steps=1), 1,
+    # APM_WARMUP dense steps, then 1-bit phases (byte count checked from there on)
+    "apmsqueeze-compressed": Config(lambda ps: thinwire.APMSqueeze(ps, lr=1e-2, warmup_steps=APM_WARMUP), 1,
                                     lambda w, s: {"payload": onebit_bytes(w, s)}),
     "ef21-server": Config(lambda ps: thinwire.EF21Muon(ps, lr=0.02, beta=0.3, uplink="identity+bf16"), 1,
                           lambda w, s: {"payload": prefix(s) + 2 * sum(s), "downlink": prefix(s) + 4 * sum(s)}),

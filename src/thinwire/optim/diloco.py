@@ -225,12 +225,21 @@ class DiLoCo(PeriodicAveraging):
         self.inner = torch.optim.AdamW(params) if inner is None else inner(params)
         if not isinstance(self.inner, torch.optim.Optimizer):
             raise ValueError(f"inner must build a torch.optim.Optimizer, got {type(self.inner).__name__}")
+        self._sharing = True             # torch's __init__ adds the shared groups through add_param_group
         super().__init__(self.inner.param_groups, {})    # shared group dicts: schedulers reach inner
+        self._sharing = False
         self._init_sync(process_group, nonfinite, sync_every, outer_lr, outer_momentum, wire)
 
     def _local_step(self, step: int, layout: list[Member]) -> None:
         # θ ← inner.step(θ)   (torch optimizers skip parameters without a gradient)
         self.inner.step()
+
+    def add_param_group(self, param_group: dict) -> None:
+        """New parameters join the inner optimizer (its defaults fill the group)."""
+        if self._sharing:
+            return super().add_param_group(param_group)
+        self.inner.add_param_group(param_group)
+        self.param_groups = self.inner.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
