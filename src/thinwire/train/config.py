@@ -72,7 +72,7 @@ PRESETS = {
     "tiny": TrainConfig(name="tiny", n_layer=1, n_embd=64, n_head=2, context=32, rows=16, steps=60,
                         eval_every=10, eval_rows=64),
     # topk 58 with int8 values: the sweep's best loss at >= 100x fewer bytes than fp32 AdamW
-    "small": TrainConfig(topk=58, values="int8"),
+    "small": TrainConfig(topk=58, values="int8", beta=0.98),   # beta re-swept for the EMA momentum
     "base": TrainConfig(name="base", n_layer=4, n_embd=256, n_head=8, context=128, rows=64, steps=1000,
                         eval_every=50, eval_rows=512),
     # Link-bound on 2 CPU cores: 3.7M parameters, one 64-token window per worker and step, so
