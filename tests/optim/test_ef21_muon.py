@@ -2,7 +2,10 @@
 equations, both topologies give one trajectory, contract suite, bad peers and arguments.
 
 Expected values come from torch.optim.Muon, from the simulation written below (sorting
-for Top-K, torch's own Newton-Schulz), and from message sizes derived by hand.
+for Top-K, torch's own Newton-Schulz), and from message sizes derived by hand from the
+documented wire format: every uplink and downlink message is the protocol prefix (an 8-byte
+header, then a presence bitmap of ceil(P / 8) bytes for the P parameters that take part:
+requires_grad and at least one element) followed by the compressors' payloads.
 """
 
 from __future__ import annotations
@@ -31,6 +34,13 @@ def ef21(params, split_lmo=None, **kwargs):
 
 
 # ---- the contract, with message sizes derived by hand for problem's shapes --------------
+def prefix(n_params):
+    """Header (8 bytes) + presence bitmap (one bit per parameter, whole bytes)."""
+    return 8 + math.ceil(n_params / 8)
+
+
+PREFIX = prefix(4)   # problem's model: 4 parameters -> 8 + 1 bytes
+
 # shapes (37, 24), (37,), (10, 37), (10,): 888, 37, 370 and 10 elements; index widths 10, 6, 9, 4 bits
 def topk_natural(ks, widths):
     return sum(math.ceil(k * w / 8) + math.ceil(k / 8) + k for k, w in zip(ks, widths))
@@ -38,24 +48,25 @@ def topk_natural(ks, widths):
 
 WIDTHS = (10, 6, 9, 4)
 SIZES = (888, 37, 370, 10)
-CONFIGS = {  # name: (config, uplink bytes, downlink bytes), headers (8) included
+CONFIGS = {  # name: (config, uplink bytes, downlink bytes), prefixes included
     # K = round(0.05 n) = 44, 2, 18, 1 (at least 1); identity down: 4 bytes per element
     "server-topk-natural": ({"factory": ef21, "kwargs": {"lr": 0.02, "uplink": "topk:0.05+natural"}},
-                            8 + topk_natural((44, 2, 18, 1), WIDTHS), 8 + 4 * sum(SIZES)),
+                            PREFIX + topk_natural((44, 2, 18, 1), WIDTHS), PREFIX + 4 * sum(SIZES)),
     # Rand-K up: K = round(0.3 n) = 266, 11, 111, 3 fp32 values, no indices; down K = round(0.2 n)
     "replicated-randk": ({"factory": ef21, "kwargs": {"lr": 0.02, "beta": 0.2, "uplink": "randk:0.3",
                                                         "topology": "replicated", "downlink": "topk:0.2+natural"}},
-                         8 + 4 * (266 + 11 + 111 + 3), 8 + topk_natural((178, 7, 74, 2), WIDTHS)),
+                         PREFIX + 4 * (266 + 11 + 111 + 3), PREFIX + topk_natural((178, 7, 74, 2), WIDTHS)),
     # chunk 16 (test_contract.GEOMETRY): chunks x elements (6, 192), (3, 16), (3, 160), (1, 10); k = 8,
     # 8/4/8/4-bit indices, int8: 4 bytes per chunk + 1 per value. natural down: 9 bits per element
     "server-dct-int8": ({"factory": ef21, "kwargs": {"lr": 0.02, "uplink": "dct-topk:8:16+int8",
                                                        "downlink": "natural"}},
-                        8 + sum(math.ceil(c * 8 * w / 8) + 4 * c + 8 * c for c, w in ((6, 8), (3, 4), (3, 8), (1, 4))),
-                        8 + sum(math.ceil(n / 8) + n for n in SIZES)),
+                        PREFIX + sum(math.ceil(c * 8 * w / 8) + 4 * c + 8 * c
+                                     for c, w in ((6, 8), (3, 4), (3, 8), (1, 4))),
+                        PREFIX + sum(math.ceil(n / 8) + n for n in SIZES)),
     # rank 2: factors (37 + 24) * 2 and (10 + 37) * 2 values; vectors go whole; bf16 down
     "server-rank-sign": ({"factory": ef21, "kwargs": {"lr": 0.02, "uplink": "rank:2", "downlink": "identity+bf16",
                                                         "split_lmo": "sign"}},
-                         8 + 4 * ((37 + 24) * 2 + 37 + (10 + 37) * 2 + 10), 8 + 2 * sum(SIZES)),
+                         PREFIX + 4 * ((37 + 24) * 2 + 37 + (10 + 37) * 2 + 10), PREFIX + 2 * sum(SIZES)),
 }
 SPAWNED = 3
 WORLDS = {1: list(CONFIGS), SPAWNED: ["server-topk-natural", "replicated-randk"]}   # CPU time is scarce
@@ -131,7 +142,7 @@ def test_identity_single_worker_is_torch_muon_bit_for_bit(weight_decay):
         for p, q in zip(ours.parameters(), ref.parameters()):
             assert torch.equal(p, q)
     state = opt.state[next(iter(ours.parameters()))]
-    assert set(state) == {"step", "momentum", "estimate", "server_estimate", "server_model"}
+    assert set(state) == {"momentum", "estimate", "server_estimate", "server_model"}
 
 
 def test_layerwise_lmos_and_conv_flattening():
@@ -192,11 +203,28 @@ def _agreement_worker(rank, world):
         opt = EF21Muon(model.parameters(), lr=0.02, beta=0.1, uplink="topk:0.1", downlink="identity+bf16",
                        topology=topology)
         out[f"topk-{topology}"] = _train(rank, model, opt, 8)
+        out[f"server-state-{topology}"] = sorted(opt.state[next(model.parameters())])
+        out[f"partial-{topology}"] = _partial_presence(rank, topology)
         model = problem.make_model()
         opt = EF21Muon(model.parameters(), lr=0.02, uplink="randk:0.2+natural", downlink="dct-topk:4:8+int8",
                        topology=topology, seed=3)
         out[f"random-{topology}"] = _train(rank, model, opt, 8)
     return out
+
+
+def _partial_presence(rank, topology):
+    """a: a gradient on every rank; b: on rank 1 only; c: on no rank. Returns (start, end)."""
+    torch.manual_seed(0)
+    a, b, c = (torch.nn.Parameter(torch.randn(6, 5)) for _ in range(3))
+    start = [t.detach().clone() for t in (a, b, c)]
+    opt = EF21Muon([a, b, c], lr=0.05, beta=0.5, uplink="topk:0.3+natural", downlink="topk:0.5", topology=topology)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        a.grad = torch.randn(6, 5, generator=gen)
+        b.grad = torch.randn(6, 5, generator=gen) if rank == 1 else None
+        opt.step()
+    untouched = not opt.state[c]["momentum"].any() and not opt.state[c]["estimate"].any()
+    return start, [t.detach().clone() for t in (a, b, c)], untouched
 
 
 def _spawned_worker(rank, world):
@@ -227,6 +255,23 @@ def test_topologies_give_the_same_trajectory_bit_for_bit(agreement, kind):
     for rank_result in agreement:
         assert torch.equal(rank_result[f"{kind}-server"], rank_result[f"{kind}-replicated"])
     assert torch.equal(agreement[0][f"{kind}-server"], agreement[1][f"{kind}-server"])
+
+
+def test_a_gradient_on_some_ranks_moves_a_parameter_on_all_and_none_moves_none(agreement):
+    for topology in ("server", "replicated"):
+        (start, end, untouched), *others = [r[f"partial-{topology}"] for r in agreement]
+        assert not torch.equal(end[0], start[0]) and not torch.equal(end[1], start[1])
+        assert torch.equal(end[2], start[2]) and untouched
+        for _, other_end, other_untouched in others:               # replicas agree bit for bit
+            assert all(torch.equal(x, y) for x, y in zip(end, other_end)) and other_untouched
+        assert all(torch.equal(x, y) for x, y in zip(end, agreement[0]["partial-server"][1]))
+
+
+def test_only_the_server_holds_the_server_state(agreement):
+    for rank, result in enumerate(agreement):
+        assert result["server-state-replicated"] == ["estimate", "momentum", "server_estimate", "server_model"]
+        assert result["server-state-server"] == (["estimate", "momentum", "server_estimate", "server_model"]
+                                                 if rank == 0 else ["estimate", "momentum"])
 
 
 def _topk(x, ratio):
@@ -290,15 +335,19 @@ def _failures_worker(rank, world):
             if rank == world - 1:
                 p.grad[2, 3] = float("inf")
             status = outcome_of(opt.step)
-            unchanged = torch.equal(p.detach(), before) and not opt.state[p]["momentum"].any()
+            state = opt.state[p]                        # M_j, G_j, G still zero, X still W
+            zeros = [state[k] for k in ("momentum", "estimate", "server_estimate") if k in state]
+            unchanged = (torch.equal(p.detach(), before) and not any(t.any() for t in zeros)
+                         and torch.equal(state.get("server_model", before), before))
             p.grad = torch.ones_like(p)                 # the next step works: nobody is stuck
-            out[topology, policy] = (status[0], unchanged, outcome_of(opt.step)[0], p.detach().clone())
+            out[topology, policy] = (status[0], unchanged, outcome_of(opt.step)[0], p.detach().clone(), status[1])
         p = torch.nn.Parameter(torch.ones(8, 8))
         opt = EF21Muon([p], topology=topology)
         p.grad = torch.ones_like(p)
         opt.step()
-        if rank == 1:
-            opt.state[p]["step"] += 3                   # as if resumed from another checkpoint
+        saved = opt.state_dict()                        # every rank resumes; rank 1 from another checkpoint
+        saved["thinwire_step"] += 3 if rank == 1 else 0
+        opt.load_state_dict(saved)
         out[topology, "lockstep"] = outcome_of(opt.step)[0]
         q = torch.nn.Parameter(torch.randn(8, 8 + rank))
         q.grad = torch.randn_like(q)
@@ -314,9 +363,9 @@ def failures(spawned):
 @pytest.mark.parametrize("topology", ["server", "replicated"])
 def test_nonfinite_gradient_is_an_error_on_every_rank_and_changes_nothing(failures, topology):
     raised = [r[topology, "raise"] for r in failures]
-    assert all(s == "NonFiniteGradientError" and unchanged and after == "ok" for s, unchanged, after, _ in raised)
+    assert [r[:3] for r in raised] == [("NonFiniteGradientError", True, "ok")] * len(failures), raised[0][4]
     skipped = [r[topology, "skip"] for r in failures]
-    assert all(s == "ok" and unchanged and after == "ok" for s, unchanged, after, _ in skipped)
+    assert [r[:3] for r in skipped] == [("ok", True, "ok")] * len(failures), skipped[0][4]
     assert all(torch.equal(r[3], skipped[0][3]) for r in skipped + raised)
 
 
@@ -342,5 +391,58 @@ def test_compressor_objects_are_accepted():
     p.grad = torch.randn_like(p)
     opt.step()
     # 16 of 64 values: a 64-bit bitmap (8 bytes < 16 6-bit indices, 12 bytes) + 2 sign bytes
-    # + 16 exponent bytes, and the header
-    assert opt.comm_stats.by_tag["payload"].payload_bytes == 8 + 8 + 2 + 16
+    # + 16 exponent bytes, after the prefix (8-byte header + 1 byte of presence for 1 parameter)
+    assert opt.comm_stats.by_tag["payload"].payload_bytes == (8 + 1) + 8 + 2 + 16
+
+
+def test_frozen_empty_and_gradless_parameters_are_left_alone():
+    """The message covers the P = 9 trainable, non-empty parameters only: a 2-byte bitmap."""
+    torch.manual_seed(0)
+    vectors = [torch.nn.Parameter(torch.randn(3)) for _ in range(9)]
+    frozen = torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
+    empty = torch.nn.Parameter(torch.empty(0, 5))
+    idle = vectors[-1]                                             # never gets a gradient
+    start = [t.detach().clone() for t in (frozen, empty, idle)]
+    trained = [v.detach().clone() for v in vectors[:-1]]
+    opt = EF21Muon([frozen, empty, *vectors], lr=0.1, uplink="identity+bf16", downlink="identity+bf16")
+    empty.grad = torch.empty(0, 5)
+    for _ in range(2):
+        for v in vectors[:-1]:
+            v.grad = torch.randn(3)
+        opt.step()
+    assert all(torch.equal(t.detach(), s) for t, s in zip((frozen, empty, idle), start))
+    assert frozen not in opt.state and empty not in opt.state
+    assert not opt.state[idle]["momentum"].any() and torch.equal(opt.state[idle]["server_model"], start[2])
+    assert all(not torch.equal(v.detach(), t) for v, t in zip(vectors[:-1], trained))
+    message = prefix(9) + 2 * 3 * 9                                # bf16: 2 bytes per element
+    assert prefix(9) == 10
+    assert opt.comm_stats.last_step.as_dict() == {"payload_bytes": 2 * message, "link_bytes_sent": 0,
+                                                  "link_bytes_received": 0, "collectives": 2}
+    assert opt.comm_stats.by_tag["downlink"].payload_bytes == 2 * message
+
+
+@pytest.mark.parametrize("topology", ["server", "replicated"])
+@pytest.mark.parametrize("uplink, downlink", [("topk:0.2+natural", "identity"), ("rank:2", "dct-topk:4:4+int8"),
+                                              ("randk:0.3", "topk:0.5+bf16")])
+def test_non_contiguous_parameters_step_as_their_contiguous_twins(topology, uplink, downlink):
+    """A channels_last conv weight and a transposed matrix take the same steps, bit for bit,
+    as contiguous copies, and keep their memory layout."""
+    torch.manual_seed(0)
+    shapes = [(6, 3, 3, 3), (10, 6), (6,)]
+    values = [torch.randn(s) for s in shapes]
+    strided = [torch.nn.Parameter(values[0].to(memory_format=torch.channels_last)),
+               torch.nn.Parameter(values[1].t().contiguous().t()), torch.nn.Parameter(values[2].clone())]
+    plain = [torch.nn.Parameter(v.clone()) for v in values]
+    assert not strided[0].is_contiguous() and not strided[1].is_contiguous()
+    opts = [EF21Muon(ps, lr=0.05, beta=0.5, uplink=uplink, downlink=downlink, topology=topology, seed=5)
+            for ps in (strided, plain)]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        for ps, opt in zip((strided, plain), opts):
+            for p, g in zip(ps, grads):
+                p.grad = torch.empty_like(p).copy_(g)              # the parameter's own layout
+            opt.step()
+        for p, q in zip(strided, plain):
+            assert torch.equal(p.detach(), q.detach())
+    assert strided[0].is_contiguous(memory_format=torch.channels_last) and strided[1].stride() == (1, 10)

@@ -11,7 +11,7 @@ C = `downlink`, the LMO chosen by the param group's `lmo`:
     everyone:  W ← W + S
 
 LMOs (radius t is the group's lr): 'spectral' (Muon) LMO(G) = −√max(1, rows/cols) ·
-NS(G), NS = 5 quintic Newton–Schulz steps (`thinwire.ops.orthogonalize`, conv weights
+NS(G), NS = 5 quintic Newton–Schulz steps (`thinwire.ops.add_spectral_`, conv weights
 flattened to out × in·kh·kw); 'sign' (ℓ∞ ball, Scion/Gluon's choice for embeddings and
 the output head) −sign(G); 'rms' (RMS-norm ball, their choice for biases and gains)
 −√d · G / ‖G‖₂; 'auto' (default) is spectral for ≥2-D tensors and rms otherwise.
@@ -30,33 +30,58 @@ downlink='identity') reproduces torch.optim.Muon(lr=t, momentum=1 − b, nestero
 adjust_lr_fn='original') bit for bit (whenever 1 − (1 − b) == b in floating point).
 
 Topologies: 'server' — rank 0 is also the server: one `gather` of the uplink messages to
-rank 0, which alone holds G and X, and one `broadcast` of the compressed S. 'replicated' —
-one `all_gather`; every rank runs the server step identically (deterministic, rank order)
-and applies S itself, so there is no downlink traffic but W still moves only by C(X − W).
-Both give the same W bit for bit. Comm stats tag the uplink 'payload' and the downlink
-'downlink'. Each message starts with the 8-byte protocol header; rank 0 relays a verdict
-(non-finite gradients, bad peers) in the downlink header, so every rank raises together.
-Randomised compressors (Rand-K, natural) draw from seeds derived from (seed, step,
-parameter index, link, sender rank), so receivers regenerate the same indices.
+rank 0, which alone holds G and X, and one `broadcast` of the compressed S
+(`thinwire.optim.exchange.ServerRelay`). 'replicated' — one `all_gather` (`GatherAll`);
+every rank runs the server step identically (deterministic, rank order) and applies S
+itself, so there is no downlink traffic but W still moves only by C(X − W). Both give the
+same W bit for bit. Comm stats tag the uplink 'payload' and the downlink 'downlink'.
+
+The step envelope (`thinwire.optim.base`) owns the rest: each message starts with the
+protocol prefix (8-byte header, then a presence bitmap of one bit per parameter), non-finite
+gradients and bad peers fail (or skip) on every rank together, and the step counter seeds
+the randomised compressors (Rand-K, natural): seeds derive from (seed, step, parameter
+index, link, sender rank), so receivers regenerate the same indices. The new momenta are
+computed when the message is encoded but committed (M_j, G_j ← G_j + R_j) only when the
+step is applied, so a flagged step changes no state. A parameter with a gradient on no rank
+does not move and keeps its state; one with a gradient on some ranks only counts ∇f_j = 0
+on the others.
 
     opt = EF21Muon(model.parameters(), lr=0.02, beta=0.05, uplink="topk:0.05+natural")
 """
 
 from __future__ import annotations
 
-import math
+from typing import NamedTuple
 
 import torch
 
+from ..compress import EF21Compressor
 from ..compress.spec import parse_compressor
-from ..ops import NS_EPS, muon_scale, orthogonalize
-from .base import CommunicatingOptimizer
-from .protocol import (FLAG_NONFINITE, HEADER_NBYTES, NonFiniteGradientError, PeerMismatchError, all_finite,
-                       check_nonfinite_policy, read_headers, write_header)
+from ..ops import add_rms_, add_sign_, add_spectral_
+from .base import CommunicatingOptimizer, Member
+from .exchange import GatherAll, ServerRelay
 
 LMOS = ("auto", "spectral", "sign", "rms")
 TOPOLOGIES = ("server", "replicated")
-FLAG_SERVER_ERROR = 2          # downlink header: rank 0 rejected this step's messages
+UP, DOWN = 1, 0                # the link, in the compressors' seeds
+
+
+class Entry(NamedTuple):
+    """One layout parameter's place in the messages: its group, tensor, index in the layout
+    (for the seeds) and its bytes in the uplink and downlink payloads."""
+    group: dict
+    param: torch.Tensor
+    index: int
+    up: slice
+    down: slice
+
+
+class Sent(NamedTuple):
+    """What this rank's encode leaves for the apply: the step, its entries, and the new
+    momenta M_j⁺ (one per entry), committed only if the step goes through."""
+    step: int
+    entries: list[Entry]
+    momenta: list[torch.Tensor]
 
 
 def _check_group(g: dict) -> None:
@@ -74,20 +99,6 @@ def _check_group(g: dict) -> None:
                              "biases and gains in a param group with lmo='rms' or 'sign' (or use 'auto')")
 
 
-def lmo_step(x: torch.Tensor, g: torch.Tensor, lr: float, lmo: str) -> None:
-    """X ← X + t · LMO(G) in place (see the module docstring for each LMO)."""
-    if lmo == "auto":
-        lmo = "spectral" if g.dim() >= 2 else "rms"
-    if lmo == "spectral":
-        matrix = g.reshape(g.shape[0], -1)
-        # the same add_ (bf16 update into the fp32 tensor) as torch.optim.Muon, for bit equality
-        x.add_(orthogonalize(matrix).view(g.shape), alpha=-lr * muon_scale(matrix.shape))
-    elif lmo == "sign":
-        x.add_(g.sign(), alpha=-lr)
-    else:  # rms: G = 0 gives no step (norm clamped like Newton–Schulz's)
-        x.sub_(g * (lr * math.sqrt(g.numel()) / g.norm().clamp(min=NS_EPS)))
-
-
 def _seed(*parts: int) -> int:
     """A deterministic 63-bit mix (FNV-style) of integers; every rank computes the same."""
     h = 0xCBF29CE484222325
@@ -96,6 +107,100 @@ def _seed(*parts: int) -> int:
     return h & 0x7FFF_FFFF_FFFF_FFFF
 
 
+# ---- the equations, one per function -------------------------------------------------------
+def new_momentum(m: torch.Tensor, grad: torch.Tensor | None, beta: float) -> torch.Tensor:
+    """M_j⁺ = (1 − β) M_j + β ∇f_j(W), a new tensor (M_j itself changes at commit);
+    a rank without a gradient counts ∇f_j = 0."""
+    # M_j⁺ = M_j + β (∇f_j − M_j)          (lerp, as torch.optim.Muon's buffer)
+    return m.lerp(grad if grad is not None else torch.zeros_like(m), beta)
+
+
+def uplink_message(m_new: torch.Tensor, g: torch.Tensor, lossless: bool) -> torch.Tensor:
+    """What worker j compresses: M_j⁺ − G_j (so R_j = C_j(M_j⁺ − G_j)), or M_j⁺ itself
+    on a lossless link."""
+    return m_new if lossless else m_new - g
+
+
+def commit_worker_(m: torch.Tensor, g: torch.Tensor, m_new: torch.Tensor, r: torch.Tensor, lossless: bool) -> None:
+    """M_j ← M_j⁺;  G_j ← G_j + R_j (lossless: G_j ← M_j⁺). `r` is what the wire delivered."""
+    # M_j ← M_j⁺
+    m.copy_(m_new)
+    if lossless:
+        # G_j ← M_j⁺
+        g.copy_(m_new)
+    else:
+        # G_j ← G_j + R_j
+        g.add_(r.to(g.dtype))
+
+
+def mean_over_ranks(parts: list[torch.Tensor]) -> torch.Tensor:
+    """(1/n) Σ_j parts[j], summed in rank order (the same bits wherever it is computed), into
+    parts[0] (freshly decoded tensors, not state)."""
+    total = parts[0]
+    for part in parts[1:]:
+        # Σ ← Σ + part_j
+        total = total.add_(part)
+    # (1/n) Σ
+    return total.div_(len(parts))
+
+
+def server_estimate_(g: torch.Tensor, mean: torch.Tensor, lossless: bool) -> None:
+    """G ← G + (1/n) Σ_j R_j;  lossless uplink: G ← (1/n) Σ_j M_j."""
+    if lossless:
+        # G ← (1/n) Σ_j M_j
+        g.copy_(mean)
+    else:
+        # G ← G + (1/n) Σ_j R_j
+        g.add_(mean.to(g.dtype))
+
+
+def lmo_of(group: dict, p: torch.Tensor) -> str:
+    """The group's LMO for p ('auto': spectral for ≥2-D tensors, rms otherwise)."""
+    lmo = group["lmo"]
+    if lmo == "auto":
+        return "spectral" if p.dim() >= 2 else "rms"
+    return lmo
+
+
+def add_lmo_(x: torch.Tensor, g: torch.Tensor, t: float, lmo: str) -> None:
+    """X ← X + t · LMO(G), the LMO of the ball of radius t in the chosen norm."""
+    if lmo == "spectral":
+        # X ← X − t √max(1, rows/cols) NS(G)
+        add_spectral_(x, g, -t)
+    elif lmo == "sign":
+        # X ← X − t sign(G)
+        add_sign_(x, g, -t)
+    else:
+        # X ← X − t √d G / ‖G‖₂
+        add_rms_(x, g, -t)
+
+
+def server_model_(x: torch.Tensor, g: torch.Tensor, group: dict, lmo: str) -> None:
+    """X ← (1 − tλ) X + t · LMO(G)."""
+    t, decay = group["lr"], group["weight_decay"]
+    if decay:
+        # X ← (1 − tλ) X
+        x.mul_(1.0 - t * decay)
+    # X ← X + t · LMO(G)
+    add_lmo_(x, g, t, lmo)
+
+
+def model_shift(x: torch.Tensor, w: torch.Tensor, lossless: bool) -> torch.Tensor:
+    """What the server compresses: X − W (so S = C(X − W)), or X itself on a lossless link."""
+    return x if lossless else x - w
+
+
+def apply_shift_(w: torch.Tensor, s: torch.Tensor, lossless: bool) -> None:
+    """W ← W + S;  lossless downlink (S carries X): W ← X."""
+    if lossless:
+        # W ← X
+        w.copy_(s)
+    else:
+        # W ← W + S
+        w.add_(s.to(w.dtype))
+
+
+# ---- the optimizer -------------------------------------------------------------------------
 class EF21Muon(CommunicatingOptimizer):
     """EF21-Muon; see the module docstring for the equations, topologies and conventions.
 
@@ -110,7 +215,7 @@ class EF21Muon(CommunicatingOptimizer):
         nonfinite: 'raise' (default) or 'skip' when any rank's gradients are not finite; no
             state changes on any rank in that step either way.
         process_group: torch.distributed group (default: world; none needed for one process).
-    State per parameter: step, momentum (M_j), estimate (G_j); where the server runs,
+    State per parameter: momentum (M_j), estimate (G_j); where the server runs,
     server_estimate (G) and server_model (X). Resume with the same topology (under 'server'
     only rank 0 holds G and X). Parameters should be float32 (keep fp32 master weights under
     mixed precision): W += S accumulates in the parameter's dtype.
@@ -121,18 +226,23 @@ class EF21Muon(CommunicatingOptimizer):
     def __init__(self, params, lr: float = 0.02, beta: float = 0.05, lmo: str = "auto", weight_decay: float = 0.0,
                  uplink="topk:0.05", downlink="identity", topology: str = "server", seed: int = 0,
                  nonfinite: str = "raise", process_group=None):
-        self.nonfinite = check_nonfinite_policy(nonfinite)
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an integer, got {seed!r}")
-        self.uplink, self.downlink = parse_compressor(uplink, "uplink"), parse_compressor(downlink, "downlink")
+        self.uplink: EF21Compressor = parse_compressor(uplink, "uplink")
+        self.downlink: EF21Compressor = parse_compressor(downlink, "downlink")
         self.topology, self.seed = topology, seed
         defaults = dict(lr=lr, beta=beta, lmo=lmo, weight_decay=weight_decay)
         _check_group(defaults)
         super().__init__(params, defaults)
-        self._init_comm(process_group)
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._init_comm(process_group, nonfinite)
+        if topology == "replicated":
+            self._link = GatherAll(self.comm)
+        else:
+            self._link = ServerRelay(self.comm, self._serve_relayed)
+        self._down: torch.Tensor | None = None        # replicated: the downlink, computed locally
+        self._sent: Sent | None = None
 
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]
@@ -142,143 +252,102 @@ class EF21Muon(CommunicatingOptimizer):
 
     @property
     def is_server(self) -> bool:
+        """Whether this rank runs the server step (and holds G and X)."""
         return self.topology == "replicated" or self.comm.rank == 0
 
-    def _layout(self):
-        """[(group, p, index, up_offset, up_n, down_offset, down_n)] and both message sizes."""
-        entries, up, down = [], HEADER_NBYTES, HEADER_NBYTES
-        for group in self.param_groups:
-            for p in group["params"]:
-                nu, nd = self.uplink.payload_nbytes(p.shape), self.downlink.payload_nbytes(p.shape)
-                entries.append((group, p, len(entries), up, nu, down, nd))
-                up, down = up + nu, down + nd
+    def _entries(self, layout: list[Member]) -> tuple[list[Entry], int, int]:
+        """Each parameter's entry, and the uplink and downlink payload sizes."""
+        entries, up, down = [], 0, 0
+        for index, (group, p) in enumerate(layout):
+            nu, nd = self.uplink.payload_nbytes(p.shape), self.downlink.payload_nbytes(p.shape)
+            entries.append(Entry(group, p, index, slice(up, up + nu), slice(down, down + nd)))
+            up, down = up + nu, down + nd
         return entries, up, down
 
-    def _buffer(self, name: str, nbytes: int, device) -> torch.Tensor:
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() != nbytes or buf.device != device:
-            buf = self._buffers[name] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return buf
-
-    def _describe(self, entries) -> str:
-        lines = [f"world_size={self.comm.world_size} topology={self.topology} seed={self.seed} "
+    # ---- the envelope's hooks ----------------------------------------------------------------
+    def _describe(self, layout: list[Member]) -> str:
+        entries, _, _ = self._entries(layout)
+        lines = [f"ef21-muon world_size={self.comm.world_size} topology={self.topology} seed={self.seed} "
                  f"uplink={self.uplink.name} downlink={self.downlink.name}"]
-        lines += [f"{tuple(p.shape)} {p.dtype} lmo={g['lmo']} @{uo}+{un} @{do}+{dn}"
-                  for g, p, _, uo, un, do, dn in entries]
+        lines += [f"{tuple(e.param.shape)} {e.param.dtype} lmo={e.group['lmo']} "
+                  f"@{e.up.start}+{e.up.stop - e.up.start} @{e.down.start}+{e.down.stop - e.down.start}"
+                  for e in entries]
         return "\n".join(lines)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._begin_step(closure)
-        entries, up_n, down_n = self._layout()
-        self._agree(self._describe(entries))
-        step = self._advance_step(entries)
-        device = entries[0][1].device
-        up, down = self._buffer("up", up_n, device), self._buffer("down", down_n, device)
-        finite = all_finite(p.grad for _, p, *_ in entries if p.grad is not None)
-        write_header(up, step, 0 if finite else FLAG_NONFINITE)
-        moments = None
-        if finite:
-            moments = self._encode_uplink(entries, up, step)
-        else:
-            up[HEADER_NBYTES:].zero_()
+    def _exchange(self, step: int, layout: list[Member]):
+        self._sent = None
+        if not layout:                                   # nothing to train: a local no-op step
+            return None
+        _, up, down = self._entries(layout)
+        device = layout[0].param.device
         if self.topology == "replicated":
-            gathered = self.comm.all_gather(up, tag="payload")
-            bad = read_headers(gathered[:, :HEADER_NBYTES], step).tolist()   # same verdict on every rank
-            if not bad:
-                self._serve(entries, gathered, down, step)
+            self._link.resize(len(layout), up, device)
+            if self._down is None or self._down.numel() != down or self._down.device != device:
+                self._down = torch.empty(down, dtype=torch.uint8, device=device)
         else:
-            bad = self._relay(entries, up, down, step)
-        if bad:
-            if self.nonfinite == "raise":
-                raise NonFiniteGradientError(
-                    f"non-finite gradients on rank(s) {bad} at step {step}; no state changed on any rank "
-                    "(EF21Muon(nonfinite='skip') skips such steps instead)")
-            return loss
-        self._commit(entries, up, moments, step)
-        for group, p, i, _, _, do, dn in entries:                          # W ← W + S
-            shift = self.downlink.decode(down[do: do + dn], p.shape, _seed(self.seed, step, i, 0))
-            if self.downlink.lossless:
-                p.copy_(shift)
-            else:
-                p.add_(shift.to(p.dtype))
-        return loss
+            self._link.resize(len(layout), up, down, device)
+        return self._link
 
-    def _relay(self, entries, up, down, step: int) -> list:
-        """topology='server': gather to rank 0, server step there, broadcast S with a verdict."""
-        gathered = self.comm.gather(up, dst=0, tag="payload")
-        error, bad = None, ["reported by rank 0"]        # what non-root ranks can say about a bad step
-        if self.comm.rank == 0:
-            try:
-                bad = read_headers(gathered[:, :HEADER_NBYTES], step).tolist()
-                if not bad:
-                    self._serve(entries, gathered, down, step)
-                write_header(down, step, FLAG_NONFINITE if bad else 0)
-            except (PeerMismatchError, ValueError) as err:   # tell the others before raising
-                error = err
-                write_header(down, step, FLAG_SERVER_ERROR)
-        self.comm.broadcast(down, src=0, tag="downlink")
-        if error is not None:
-            raise error
-        if int(down[2]) & FLAG_SERVER_ERROR:
-            raise PeerMismatchError(f"rank 0 (the server) rejected the messages of step {step}; "
-                                    "its error names the cause")
-        flagged = read_headers(down[None, :HEADER_NBYTES], step).tolist()
-        return bad if flagged else []
-
-    def _advance_step(self, entries) -> int:
-        for _, p, *_ in entries:
+    def _prepare(self, step: int, layout: list[Member]) -> None:
+        for _, p in layout:
             state = self.state[p]
-            if not state:
-                state["step"] = 0
+            if "momentum" not in state:                  # M_j = G_j = 0
                 state["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["estimate"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if self.is_server and "server_model" not in state:
+            if self.is_server and "server_model" not in state:   # G = 0, X = W
                 state["server_estimate"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["server_model"] = p.detach().clone(memory_format=torch.preserve_format)
-            state["step"] += 1
-        return self.state[entries[0][1]]["step"]
 
-    def _encode_uplink(self, entries, up, step: int) -> list:
-        """New momenta (not yet committed) and their messages R_j (or M_j if lossless) in `up`."""
-        moments, rank = [], self.comm.rank
-        for group, p, i, uo, un, *_ in entries:
-            state = self.state[p]
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            m = state["momentum"].lerp(grad, group["beta"])
-            message = m if self.uplink.lossless else m - state["estimate"]
-            self.uplink.encode(message, up[uo: uo + un], _seed(self.seed, step, i, 1, rank))
-            moments.append(m)
-        return moments
+    def _encode(self, step: int, layout: list[Member], exchange) -> None:
+        """M_j⁺ for every parameter (kept for the apply) and R_j = C_j(M_j⁺ − G_j) into the uplink."""
+        if exchange is None:
+            return
+        entries, _, _ = self._entries(layout)
+        payload, rank, momenta = exchange.payload, self.comm.rank, []
+        for e in entries:
+            state = self.state[e.param]
+            m_new = new_momentum(state["momentum"], e.param.grad, e.group["beta"])
+            message = uplink_message(m_new, state["estimate"], self.uplink.lossless)
+            self.uplink.encode(message, payload[e.up], _seed(self.seed, step, e.index, UP, rank))
+            momenta.append(m_new)
+        self._sent = Sent(step, entries, momenta)
 
-    def _commit(self, entries, up, moments, step: int) -> None:
-        """The step is good on every rank: M_j ← new momentum, G_j ← G_j + R_j (as sent)."""
-        for (group, p, i, uo, un, *_), m in zip(entries, moments):
-            state = self.state[p]
-            state["momentum"].copy_(m)
-            if self.uplink.lossless:
-                state["estimate"].copy_(m)
-            else:
-                sent = self.uplink.decode(up[uo: uo + un], p.shape, _seed(self.seed, step, i, 1, self.comm.rank))
-                state["estimate"].add_(sent.to(p.dtype))
+    def _serve_relayed(self, gathered: torch.Tensor, present: torch.Tensor, down: torch.Tensor) -> None:
+        """ServerRelay's server step, on rank 0: `gathered` is [world, prefix | uplink]."""
+        up = self._link.payload.numel()
+        self._serve(self._sent, gathered[:, gathered.shape[1] - up:], present, down)
 
-    def _serve(self, entries, gathered, down, step: int) -> None:
-        """Server step for every parameter: G, X, and S = C(X − W) into `down`."""
-        world = gathered.shape[0]
-        for group, p, i, uo, un, do, dn in entries:
-            state = self.state[p]
-            total = None
-            for r in range(world):                                   # rank order: same sum everywhere
-                part = self.uplink.decode(gathered[r, uo: uo + un], p.shape, _seed(self.seed, step, i, 1, r))
-                total = part if total is None else total.add_(part)
-            mean = total.div_(world).to(p.dtype)
-            if self.uplink.lossless:
-                state["server_estimate"].copy_(mean)
-            else:
-                state["server_estimate"].add_(mean)
-            x = state["server_model"]
-            if group["weight_decay"]:
-                x.mul_(1.0 - group["lr"] * group["weight_decay"])
-            lmo_step(x, state["server_estimate"], group["lr"], group["lmo"])
-            shift = x if self.downlink.lossless else x - p
-            self.downlink.encode(shift, down[do: do + dn], _seed(self.seed, step, i, 0))
+    def _serve(self, sent: Sent, uplinks: torch.Tensor, present: torch.Tensor, down: torch.Tensor) -> None:
+        """The server step for every parameter with a gradient somewhere: G, X, and
+        S = C(X − W) into `down` (zeros for the others, which nobody applies).
+        `uplinks` is [world, uplink payload]."""
+        for e, anywhere in zip(sent.entries, present.tolist()):
+            if not anywhere:
+                down[e.down].zero_()
+                continue
+            p, state = e.param, self.state[e.param]
+            parts = [self.uplink.decode(uplinks[r, e.up], p.shape, _seed(self.seed, sent.step, e.index, UP, r))
+                     for r in range(uplinks.shape[0])]
+            server_estimate_(state["server_estimate"], mean_over_ranks(parts).to(p.dtype), self.uplink.lossless)
+            server_model_(state["server_model"], state["server_estimate"], e.group, lmo_of(e.group, p))
+            shift = model_shift(state["server_model"], p, self.downlink.lossless)
+            self.downlink.encode(shift, down[e.down], _seed(self.seed, sent.step, e.index, DOWN))
+
+    def _apply(self, step: int, layout: list[Member], delivery) -> None:
+        """Commit M_j and G_j, then W ← W + S, for every parameter with a gradient somewhere."""
+        sent, self._sent = self._sent, None
+        if self.topology == "replicated":               # every rank is the server: S computed here
+            self._serve(sent, delivery.data, delivery.present, self._down)
+            down = self._down
+        else:                                           # S as rank 0 broadcast it
+            down = delivery.data
+        own, rank = self._link.payload, self.comm.rank
+        for e, m_new, anywhere in zip(sent.entries, sent.momenta, delivery.present.tolist()):
+            if not anywhere:
+                continue
+            p, state = e.param, self.state[e.param]
+            r = None if self.uplink.lossless else \
+                self.uplink.decode(own[e.up], p.shape, _seed(self.seed, step, e.index, UP, rank))
+            commit_worker_(state["momentum"], state["estimate"], m_new, r, self.uplink.lossless)
+            s = self.downlink.decode(down[e.down], p.shape, _seed(self.seed, step, e.index, DOWN))
+            apply_shift_(p, s, self.downlink.lossless)
