@@ -73,8 +73,8 @@ def test_single_process_without_process_group_counts_bytes():
     opt = thinwire.DeMo([p], topk=32, values="bf16")
     p.grad = torch.randn_like(p)
     opt.step()
-    # header 8 + one 64x64 chunk: 32 indices of 12 bits + 32 bf16 values
-    assert opt.comm_stats.last_step.payload_bytes == 8 + 48 + 64
+    # header 8 + 1 presence byte + one 64x64 chunk: 32 indices of 12 bits + 32 bf16 values
+    assert opt.comm_stats.last_step.payload_bytes == 8 + 1 + 48 + 64
     assert opt.comm_stats.link_bytes_sent == 0
 
 

@@ -16,7 +16,10 @@ NAMES = ("adam", "apmsqueeze", "muon", "ef21-muon", "adamw", "lordo", "diloco")
 STEPS, SYNC, WARMUP = 24, 8, 12             # --steps, --sync-every, --compressed-after 0.5
 V, C, T = 256, 64, 32                        # tiny preset: vocab, width, context (one block)
 N_PARAMS = V * C + T * C + 12 * C * C + 3 * C
-HANDSHAKE = 8
+HANDSHAKE = 8                                # the first step's 8-byte fingerprint all_gather
+TENSORS = 9                                  # wte, wpe, 3 norms, qkv, proj, fc, out
+PREFIX = 8 + math.ceil(TENSORS / 8)          # message header and presence bitmap (optim/protocol.py)
+TRAILER = 1 + 16 + TENSORS                   # float all-reduces: flag, lockstep slots, presence counts
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +57,13 @@ def test_ratio_against_own_counterpart(run):
 
 def test_apmsqueeze_dense_warmup_then_one_bit(run):
     _, steps, _ = run
-    dense = 4 * N_PARAMS
+    dense = 4 * (N_PARAMS + TRAILER)
     apm = steps["apmsqueeze"]
     assert apm[0]["payload_bytes"] == dense + HANDSHAKE
     assert all(s["payload_bytes"] == dense and s["collectives"] == 1 for s in apm[1:WARMUP])
     n, w = padded_numel(N_PARAMS, 2), 2
     # all_to_all of the signs bound for the peer (the own chunk stays local), all_gather of chunks
-    one_bit = (w - 1) * (HANDSHAKE + 4 + n // (8 * w)) + 4 + n // (8 * w)
+    one_bit = (w - 1) * (PREFIX + 4 + n // (8 * w)) + 4 + n // (8 * w)
     assert all(s["payload_bytes"] == one_bit and s["collectives"] == 2 for s in apm[WARMUP:])
     # on the wire 1/32 of fp32 per phase, two phases vs the ring all-reduce's two passes
     dense_link = steps["adam"][-1]["link_bytes_sent"]
@@ -82,8 +85,8 @@ def test_ef21_muon_uplink_over_7x_smaller_than_dense_muon(run):
     _, steps, _ = run
     muon, ef21 = steps["muon"][-1]["payload_bytes"], steps["ef21-muon"][-1]["payload_bytes"]
     shapes = [(V, C), (T, C), (C,), (3 * C, C), (C, C), (C,), (4 * C, C), (C, 4 * C), (C,)]
-    assert muon == 4 * N_PARAMS
-    assert ef21 == HANDSHAKE + sum(_topk_int8_bytes(math.prod(s), 0.44) for s in shapes)
+    assert muon == 4 * (N_PARAMS + TRAILER)
+    assert ef21 == PREFIX + sum(_topk_int8_bytes(math.prod(s), 0.44) for s in shapes)
     assert muon / ef21 > 7
     assert all(s["collectives"] == 1 for s in steps["ef21-muon"][1:])     # replicated: one all_gather
 
