@@ -312,10 +312,9 @@ class EF21Muon(CommunicatingOptimizer):
             momenta.append(m_new)
         self._sent = Sent(step, entries, momenta)
 
-    def _serve_relayed(self, gathered: torch.Tensor, present: torch.Tensor, down: torch.Tensor) -> None:
-        """ServerRelay's server step, on rank 0: `gathered` is [world, prefix | uplink]."""
-        up = self._link.payload.numel()
-        self._serve(self._sent, gathered[:, gathered.shape[1] - up:], present, down)
+    def _serve_relayed(self, uplinks: torch.Tensor, present: torch.Tensor, down: torch.Tensor) -> None:
+        """ServerRelay's server step, on rank 0: `uplinks` is every rank's uplink payload."""
+        self._serve(self._sent, uplinks, present, down)
 
     def _serve(self, sent: Sent, uplinks: torch.Tensor, present: torch.Tensor, down: torch.Tensor) -> None:
         """The server step for every parameter with a gradient somewhere: G, X, and

@@ -144,8 +144,8 @@ class OneBitReduce:
 
 
 class ServerRelay:
-    """gather of [prefix | uplink] to rank 0; there `serve(gathered, present, down_payload)`
-    runs the server step; one broadcast of [prefix | downlink] carries its answer, the
+    """gather of [prefix | uplink] to rank 0; there `serve(uplinks, present, down_payload)`
+    runs the server step (uplinks: every rank's payload, [world, nbytes], as GatherAll delivers); one broadcast of [prefix | downlink] carries its answer, the
     verdict and the presence union to every rank. data: the downlink buffer (all ranks).
     An error the server raises (a malformed payload) reaches every rank as PeerMismatchError."""
 
@@ -192,7 +192,7 @@ class ServerRelay:
             bad = read_headers(prefixes, step).tolist()
             present = read_presence(prefixes, self.n_params)
             if not bad:
-                self.serve(gathered, present, self.down[start:])
+                self.serve(gathered[:, start:], present, self.down[start:])
             write_prefix(self.down, step, FLAG_NONFINITE if bad else 0, present.tolist())
             return None
         except (PeerMismatchError, ValueError) as err:   # tell the others before raising
