@@ -23,9 +23,10 @@ def add_spectral_(x: torch.Tensor, g: torch.Tensor, alpha: float) -> torch.Tenso
     return x.add_(orthogonalize(matrix).view(x.shape), alpha=alpha * muon_scale(matrix.shape))
 
 
-def add_sign_(x: torch.Tensor, g: torch.Tensor, alpha: float) -> torch.Tensor:
-    """x ← x + α sign(G)."""
-    return x.add_(g.sign(), alpha=alpha)
+def add_sign_(x: torch.Tensor, g: torch.Tensor, alpha: float, consume: bool = False) -> torch.Tensor:
+    """x ← x + α sign(G). consume=True: G is scratch and becomes sign(G) in place (no
+    parameter-sized temporary: on CPU a fresh one per parameter costs its page faults)."""
+    return x.add_(g.sign_() if consume else g.sign(), alpha=alpha)
 
 
 def add_rms_(x: torch.Tensor, g: torch.Tensor, alpha: float) -> torch.Tensor:

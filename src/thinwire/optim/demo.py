@@ -108,7 +108,7 @@ def apply_base(p: torch.Tensor, delta: torch.Tensor, group: dict) -> None:
     elif base == "muon" and p.dim() >= 2:
         add_spectral_(p, delta, -lr)
     else:  # signum, and muon's fallback for vectors and scalars
-        add_sign_(p, delta, -lr)
+        add_sign_(p, delta, -lr, consume=True)        # delta lives in a scratch buffer
 
 
 class DeMo(CommunicatingOptimizer):
