@@ -171,12 +171,12 @@ class APMSqueeze(CommunicatingOptimizer):
     # ---- the algorithm, inside the envelope ------------------------------------------------------
     def _describe(self, layout: list[Member]) -> str:
         return f"apmsqueeze world_size={self.comm.world_size} warmup_steps={self.warmup_steps} " + " ".join(
-            f"{tuple(p.shape)}:{p.dtype}" for _, p in layout)
+            f"{tuple(m.param.shape)}:{m.param.dtype}" for m in layout)
 
     def _exchange(self, step: int, layout: list[Member]):
         if not layout:
             return None
-        numel, device = sum(p.numel() for _, p in layout), layout[0].param.device
+        numel, device = sum(m.param.numel() for m in layout), layout[0].param.device
         if step <= self.warmup_steps:
             self._spans = {}
             self._dense = self._dense or ReduceAll(self.comm)
@@ -192,15 +192,15 @@ class APMSqueeze(CommunicatingOptimizer):
         if self._x is None or self._x.numel() != n or self._x.device != device:
             self._x = torch.empty(n, dtype=torch.float32, device=device)
         self._spans, offset = {}, 0
-        for _, p in layout:
-            self._spans[p] = (offset, p.numel())
+        for _, p, key in layout:
+            self._spans[key] = (offset, p.numel())
             offset += p.numel()
         self._onebit.resize(len(layout), self._x, self.worker_error, self.server_error)
         return self._onebit
 
     def _prepare(self, step: int, layout: list[Member]) -> None:
-        for _, p in layout:
-            state = self.state[p]
+        for _, p, key in layout:
+            state = self.state[key]
             if "exp_avg" not in state:
                 state["step"] = 0
                 state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
@@ -211,11 +211,11 @@ class APMSqueeze(CommunicatingOptimizer):
         if exchange is None:
             return
         if step <= self.warmup_steps:                        # the gradients, to be averaged
-            flatten_grads([p for _, p in layout], exchange.payload)
+            flatten_grads([m.param for m in layout], exchange.payload)
             return
         x, offset = exchange.payload, 0
-        for group, p in layout:
-            local_momentum(x[offset: offset + p.numel()].view(p.shape), self.state[p]["exp_avg"], p.grad,
+        for group, p, key in layout:
+            local_momentum(x[offset: offset + p.numel()].view(p.shape), self.state[key]["exp_avg"], p.grad,
                            group["betas"][0])
             offset += p.numel()
         x[offset:].zero_()                                   # padding (m̄ was decoded into it)
@@ -223,12 +223,12 @@ class APMSqueeze(CommunicatingOptimizer):
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         """Warmup: delivery.data is the mean gradient; compressed: m̄. Both flat, float32."""
         warmup, data, offset = step <= self.warmup_steps, delivery.data, 0
-        for (group, p), anywhere in zip(layout, delivery.present.tolist()):
+        for (group, p, key), anywhere in zip(layout, delivery.present.tolist()):
             part = data[offset: offset + p.numel()].view(p.shape)
             offset += p.numel()
             if not anywhere:
                 continue
-            state, (beta1, beta2) = self.state[p], group["betas"]
+            state, (beta1, beta2) = self.state[key], group["betas"]
             m, v = state["exp_avg"], state["exp_avg_sq"]
             state["step"] += 1
             t = state["step"]
@@ -240,12 +240,12 @@ class APMSqueeze(CommunicatingOptimizer):
             else:
                 # m ← m̄ (the same on every rank)
                 m.copy_(part)
-                denom = self._frozen_denominator(p, group)
+                denom = self._frozen_denominator(key, group)
             adam_update_(p, m, denom, group["lr"], group["weight_decay"],
                          1 - beta1 ** t if self.bias_correction else 1.0)
 
     def _frozen_denominator(self, p: torch.Tensor, group: dict) -> torch.Tensor:
-        """`frozen_denominator` of p, cached: v and its step count no longer change."""
+        """`frozen_denominator` of parameter p (the param group's tensor), cached: v and its step count no longer change."""
         state = self.state[p]
         key = (state["exp_avg_sq_step"], group["betas"][1], group["eps"], self.bias_correction, self.mask_unseen)
         cached = self._denoms.get(p)

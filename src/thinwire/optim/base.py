@@ -35,15 +35,20 @@ import torch
 
 from ..comm import CommStats, Communicator
 from .protocol import FLAG_NONFINITE, NonFiniteGradientError, all_finite, check_nonfinite_policy, handshake
+from .shards import check_sharding, local_view
 
 STATS_KEY = "thinwire_comm_stats"
 STEP_KEY = "thinwire_step"
 
 
 class Member(NamedTuple):
-    """One parameter of the layout: its param group and the tensor."""
+    """One parameter of the layout. `param` is what the algorithm computes on: the parameter
+    itself, or under FSDP2 this rank's shard of it (a plain tensor sharing its storage, with
+    `.grad` this rank's shard of the gradient; `thinwire.optim.shards`). `key` is the
+    parameter as the param group holds it: `self.state[key]`."""
     group: dict
     param: torch.Tensor
+    key: torch.Tensor
 
 
 def flatten_grads(params, buffer: torch.Tensor) -> torch.Tensor:
@@ -107,8 +112,15 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
         return [p for g in self.param_groups for p in g["params"]]
 
     def layout(self) -> list[Member]:
-        """The parameters that take part in steps: requires_grad and at least one element."""
-        return [Member(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad and p.numel()]
+        """The parameters that take part in steps: requires_grad and at least one element;
+        sharded ones (FSDP2) as this rank's shard."""
+        members = []
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.requires_grad and p.numel():
+                    check_sharding(p)
+                    members.append(Member(g, local_view(p), p))
+        return members
 
     @property
     def steps_done(self) -> int:
@@ -146,8 +158,7 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
                 self._carried = FLAG_NONFINITE
             self._step = step
             return
-        absent = [m.param for m, here in zip(layout, present) if not here]
-        snapshot = {p: [t.clone() for t in self._views(p)] for p in absent}
+        snapshot = {m.key: [t.clone() for t in self._views(m)] for m, here in zip(layout, present) if not here}
         if finite:
             self._encode(step, layout, exchange)
         else:
@@ -179,14 +190,14 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
         """Finish an exchange still in flight (a no-op when none is)."""
         self.finish_step()
 
-    def _views(self, p: torch.Tensor) -> list[torch.Tensor]:
-        return [p, *(v for v in self.state[p].values() if torch.is_tensor(v)), *self._local_views(p)]
+    def _views(self, m: Member) -> list[torch.Tensor]:
+        return [m.param, *(v for v in self.state[m.key].values() if torch.is_tensor(v)), *self._local_views(m.key)]
 
     def _restore(self, layout: list[Member], snapshot: dict, present: torch.Tensor) -> None:
         """Parameters that had a gradient on no rank get their values and state back."""
         for m, anywhere in zip(layout, present.tolist()):
-            if not anywhere and m.param in snapshot:
-                for view, saved in zip(self._views(m.param), snapshot[m.param]):
+            if not anywhere and m.key in snapshot:
+                for view, saved in zip(self._views(m), snapshot[m.key]):
                     view.copy_(saved)
 
     def _agree(self, description: str, extra: str = "") -> None:

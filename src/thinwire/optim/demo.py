@@ -39,6 +39,7 @@ from ..ops import add_sign_, add_spectral_
 from ..wire import CODEC_NAMES
 from .base import CommunicatingOptimizer, Member
 from .exchange import GatherAll
+from .shards import is_sharded, own_rows, whole
 
 BASES = ("signum", "sgd", "muon")
 DOMAINS = ("auto", "param", "transform")
@@ -53,6 +54,7 @@ class Slot(NamedTuple):
     comp: ChunkedTopK
     offset: int
     nbytes: int
+    key: torch.Tensor                 # the parameter itself (param: its shard under FSDP2)
 
 
 def _check_group(g: dict) -> None:
@@ -100,13 +102,20 @@ def _check_momentum(m: torch.Tensor, p: torch.Tensor, comp: ChunkedTopK, group: 
                          "was the state_dict saved with other settings?")
 
 
-def apply_base(p: torch.Tensor, delta: torch.Tensor, group: dict) -> None:
-    """θ ← θ − η φ(Δ); for φ = identity with the reference's momentum form, θ ← θ − Δ."""
+def apply_base(p: torch.Tensor, delta: torch.Tensor, group: dict, key: torch.Tensor) -> None:
+    """θ ← θ − η φ(Δ); for φ = identity with the reference's momentum form, θ ← θ − Δ.
+    Newton–Schulz (base 'muon') runs on the whole Δ of a sharded parameter `key`, gathered
+    over its site; sign and identity are elementwise, on the shard."""
     lr, base = group["lr"], group["base"]
     if base == "sgd":
         p.sub_(delta.to(p.dtype), alpha=1.0 if group["momentum_form"] == "reference" else lr)
     elif base == "muon" and p.dim() >= 2:
-        add_spectral_(p, delta, -lr)
+        if is_sharded(key):                         # NS(Δ) of the whole matrix, our rows of it
+            full = torch.zeros(key.shape, dtype=p.dtype, device=p.device)
+            add_spectral_(full, whole(key, delta), -lr)
+            p.add_(own_rows(key, full))
+        else:
+            add_spectral_(p, delta, -lr)
     else:  # signum, and muon's fallback for vectors and scalars
         add_sign_(p, delta, -lr, consume=True)        # delta lives in a scratch buffer
 
@@ -167,16 +176,16 @@ class DeMo(CommunicatingOptimizer):
 
     def _slots(self, layout: list[Member]) -> list[Slot]:
         slots, offset = [], 0
-        for group, p in layout:
+        for group, p, key in layout:
             comp = self.compressor(group)
             n = comp.payload_nbytes(p.shape)
-            slots.append(Slot(group, p, comp, offset, n))
+            slots.append(Slot(group, p, comp, offset, n, key))
             offset += n
         return slots
 
     def _describe(self, layout: list[Member]) -> str:
         lines = [f"demo world_size={self.comm.world_size}"]
-        for group, p, _, offset, n in self._slots(layout):
+        for group, p, _, offset, n, _ in self._slots(layout):
             wire = ",".join(f"{k}={group[k]}" for k in _WIRE_KEYS)
             lines.append(f"{tuple(p.shape)} {p.dtype} {wire} @{offset}+{n}")
         return "\n".join(lines)
@@ -188,8 +197,8 @@ class DeMo(CommunicatingOptimizer):
         return self._message
 
     def _prepare(self, step: int, layout: list[Member]) -> None:
-        for group, p in layout:
-            state = self.state[p]
+        for group, p, key in layout:
+            state = self.state[key]
             comp = self.compressor(group)
             if "momentum" not in state:
                 if momentum_in_transform(group):                # coefficients in image layout, padding included
@@ -213,8 +222,8 @@ class DeMo(CommunicatingOptimizer):
         slots = self._slots(layout)
         a, b = self._scratch(slots)
         payload = exchange.payload
-        for group, p, comp, offset, n in slots:
-            m, plan, out = self.state[p]["momentum"], comp.plan(p.shape), payload[offset: offset + n]
+        for group, p, comp, offset, n, key in slots:
+            m, plan, out = self.state[key]["momentum"], comp.plan(p.shape), payload[offset: offset + n]
             beta, weight = group["beta"], gradient_weight(group)
             if momentum_in_transform(group):                # T is linear: T(βM + wg) = βT(M) + wT(g)
                 if p.grad is None:
@@ -234,13 +243,13 @@ class DeMo(CommunicatingOptimizer):
         slots = self._slots(layout)
         a, b = self._scratch(slots)
         gathered = delivery.data                                                # [world, payload bytes]
-        for (group, p, comp, offset, n), anywhere in zip(slots, delivery.present.tolist()):
+        for (group, p, comp, offset, n, key), anywhere in zip(slots, delivery.present.tolist()):
             if not anywhere:
                 continue
             spec = comp.payload_spec(p.shape)
             reads = [comp.read(Payload.from_buffer(gathered[r, offset: offset + n], spec), p.shape)
                      for r in range(gathered.shape[0])]                       # validated, rank order
-            m, own = self.state[p]["momentum"], reads[self.comm.rank]
+            m, own = self.state[key]["momentum"], reads[self.comm.rank]
             if momentum_in_transform(group):                # M ← M − α·(what the wire delivered of ours)
                 comp.scatter(m, own, p.shape, alpha=-group["alpha"])       # sparse: no transform needed
                 plan = comp.plan(p.shape)
@@ -251,4 +260,4 @@ class DeMo(CommunicatingOptimizer):
             delta = comp.aggregate(reads, p.shape, step, group["aggregate"], out=a, scratch=b)
             if group["weight_decay"]:                       # θ ← θ(1 − ηλ)
                 p.mul_(1.0 - group["lr"] * group["weight_decay"])
-            apply_base(p, delta, group)
+            apply_base(p, delta, group, key)

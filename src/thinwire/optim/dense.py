@@ -19,6 +19,7 @@ import torch
 
 from .base import CommunicatingOptimizer, Member, flatten_grads
 from .exchange import ReduceAll
+from .shards import set_grad
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -71,27 +72,27 @@ class DenseAllReduce(CommunicatingOptimizer):
 
     def _describe(self, layout: list[Member]) -> str:
         return f"dense world_size={self.comm.world_size} {self.grad_dtype} " + " ".join(
-            f"{tuple(p.shape)}" for _, p in layout)
+            f"{tuple(m.param.shape)}" for m in layout)
 
     def _exchange(self, step: int, layout: list[Member]) -> ReduceAll:
-        numel = sum(p.numel() for _, p in layout)
+        numel = sum(m.param.numel() for m in layout)
         self._message.resize(len(layout), numel, self.grad_dtype, layout[0].param.device)
         return self._message
 
     def _encode(self, step: int, layout: list[Member], exchange: ReduceAll) -> None:
-        flatten_grads([p for _, p in layout], exchange.payload)
+        flatten_grads([m.param for m in layout], exchange.payload)
 
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         """Every parameter with a gradient somewhere gets the mean; then the wrapped steps."""
         mean, offset = delivery.data, 0
-        for (_, p), anywhere in zip(layout, delivery.present.tolist()):
+        for (_, p, key), anywhere in zip(layout, delivery.present.tolist()):
             part = mean[offset: offset + p.numel()].view(p.shape)
             offset += p.numel()
             if not anywhere:
                 continue
-            if p.grad is None:
-                p.grad = part.to(p.dtype).clone(memory_format=torch.preserve_format)
-            else:
+            if p.grad is None:                      # key's gradient: the wrapped optimizer reads that
+                set_grad(key, part.to(p.dtype).clone(memory_format=torch.preserve_format))
+            else:                                   # p.grad shares key.grad's storage (its shard)
                 p.grad.copy_(part)
         for o in self.optimizers:
             o.step()

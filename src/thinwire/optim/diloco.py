@@ -58,12 +58,13 @@ class Slot(NamedTuple):
     param: torch.Tensor
     offset: int
     numel: int
+    key: torch.Tensor                 # the parameter itself (param: its shard under FSDP2)
 
 
 def slots_of(layout: list[Member]) -> list[Slot]:
     slots, offset = [], 0
-    for group, p in layout:
-        slots.append(Slot(group, p, offset, p.numel()))
+    for group, p, key in layout:
+        slots.append(Slot(group, p, offset, p.numel(), key))
         offset += p.numel()
     return slots
 
@@ -134,7 +135,7 @@ class PeriodicAveraging(CommunicatingOptimizer):
     def _describe(self, layout: list[Member]) -> str:
         lines = [f"{self.kind} world_size={self.comm.world_size} K={self.sync_every} wire={self.wire} "
                  f"outer={self.outer_lr},{self.outer_momentum}"]
-        lines += [f"{tuple(p.shape)} {p.dtype} {self._describe_param(g, p)}".rstrip() for g, p in layout]
+        lines += [f"{tuple(p.shape)} {p.dtype} {self._describe_param(g, p)}".rstrip() for g, p, _ in layout]
         return "\n".join(lines)
 
     def _presence(self, layout: list[Member]) -> list[bool]:
@@ -144,7 +145,7 @@ class PeriodicAveraging(CommunicatingOptimizer):
     def _exchange(self, step: int, layout: list[Member]):
         if step % self.sync_every or not layout:
             return None                                             # a local step
-        n, device = sum(p.numel() for _, p in layout), layout[0].param.device
+        n, device = sum(m.param.numel() for m in layout), layout[0].param.device
         if self.codec is None:
             self._message.resize(len(layout), n, torch.float32, device)
         else:
@@ -152,8 +153,8 @@ class PeriodicAveraging(CommunicatingOptimizer):
         return self._message
 
     def _prepare(self, step: int, layout: list[Member]) -> None:
-        for _, p in layout:
-            state = self.state[p]
+        for _, p, key in layout:
+            state = self.state[key]
             if "anchor" not in state:                               # θ₀: the parameters before the first step
                 state["anchor"] = p.detach().clone(memory_format=torch.contiguous_format)
             elif not state["anchor"].is_contiguous():               # a loaded one, whatever its strides
@@ -171,13 +172,13 @@ class PeriodicAveraging(CommunicatingOptimizer):
         slots = slots_of(layout)
         n, device = sum(s.numel for s in slots), layout[0].param.device
         x = exchange.payload if self.codec is None else _reuse(self._x, n, device)
-        for _, p, offset, numel in slots:
+        for _, p, offset, numel, key in slots:
             part = x[offset: offset + numel]
             # Δ = θ − θ₀
-            write_delta(part.view(p.shape), p, self.state[p]["anchor"])
+            write_delta(part.view(p.shape), p, self.state[key]["anchor"])
             if self.codec is not None:
                 # x = Δ + e                      error feedback: what earlier syncs did not deliver
-                part.add_(self.state[p]["sync_error"])
+                part.add_(self.state[key]["sync_error"])
         if self.codec is not None:
             self._x, self._unsent = x, _reuse(self._unsent, n, device)
             # e' = x − decode(encode(x)), kept aside: a sync that is not made must leave e as it was
@@ -189,7 +190,7 @@ class PeriodicAveraging(CommunicatingOptimizer):
         # Δ̄ = mean_ranks Δ   (fp32: the all-reduce's mean; lossy: every row decoded, summed in rank order)
         mean = delivery.data if self.codec is None else self.codec.mean(delivery.data, n)
         for slot in slots:
-            p, state = slot.param, self.state[slot.param]
+            p, state = slot.param, self.state[slot.key]
             part = mean[slot.offset: slot.offset + slot.numel]
             if self.codec is not None:                              # e ← e'
                 state["sync_error"].copy_(self._unsent[slot.offset: slot.offset + slot.numel])

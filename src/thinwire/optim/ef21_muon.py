@@ -60,6 +60,7 @@ from ..compress.spec import parse_compressor
 from ..ops import add_rms_, add_sign_, add_spectral_
 from .base import CommunicatingOptimizer, Member
 from .exchange import GatherAll, ServerRelay
+from .shards import is_sharded, own_rows, whole
 
 LMOS = ("auto", "spectral", "sign", "rms")
 TOPOLOGIES = ("server", "replicated")
@@ -74,6 +75,7 @@ class Entry(NamedTuple):
     index: int
     up: slice
     down: slice
+    key: torch.Tensor                 # the parameter itself (param: its shard under FSDP2)
 
 
 class Sent(NamedTuple):
@@ -162,8 +164,15 @@ def lmo_of(group: dict, p: torch.Tensor) -> str:
     return lmo
 
 
-def add_lmo_(x: torch.Tensor, g: torch.Tensor, t: float, lmo: str) -> None:
-    """X ← X + t · LMO(G), the LMO of the ball of radius t in the chosen norm."""
+def add_lmo_(x: torch.Tensor, g: torch.Tensor, t: float, lmo: str, key: torch.Tensor) -> None:
+    """X ← X + t · LMO(G), the LMO of the ball of radius t in the chosen norm. Under FSDP2
+    x and g are this rank's rows of parameter `key`: sign is elementwise, on the shard;
+    spectral and rms are defined on the whole G, gathered over the site, and x takes its rows."""
+    if is_sharded(key) and lmo != "sign":
+        step = torch.zeros(key.shape, dtype=x.dtype, device=x.device)
+        add_lmo_(step, whole(key, g), t, lmo, step)                # X_whole − X_whole: t · LMO(G)
+        x.add_(own_rows(key, step))
+        return
     if lmo == "spectral":
         # X ← X − t √max(1, rows/cols) NS(G)
         add_spectral_(x, g, -t)
@@ -175,14 +184,14 @@ def add_lmo_(x: torch.Tensor, g: torch.Tensor, t: float, lmo: str) -> None:
         add_rms_(x, g, -t)
 
 
-def server_model_(x: torch.Tensor, g: torch.Tensor, group: dict, lmo: str) -> None:
-    """X ← (1 − tλ) X + t · LMO(G)."""
+def server_model_(x: torch.Tensor, g: torch.Tensor, group: dict, lmo: str, key: torch.Tensor) -> None:
+    """X ← (1 − tλ) X + t · LMO(G) (`key`: the parameter, see add_lmo_)."""
     t, decay = group["lr"], group["weight_decay"]
     if decay:
         # X ← (1 − tλ) X
         x.mul_(1.0 - t * decay)
     # X ← X + t · LMO(G)
-    add_lmo_(x, g, t, lmo)
+    add_lmo_(x, g, t, lmo, key)
 
 
 def model_shift(x: torch.Tensor, w: torch.Tensor, lossless: bool) -> torch.Tensor:
@@ -258,9 +267,9 @@ class EF21Muon(CommunicatingOptimizer):
     def _entries(self, layout: list[Member]) -> tuple[list[Entry], int, int]:
         """Each parameter's entry, and the uplink and downlink payload sizes."""
         entries, up, down = [], 0, 0
-        for index, (group, p) in enumerate(layout):
+        for index, (group, p, key) in enumerate(layout):
             nu, nd = self.uplink.payload_nbytes(p.shape), self.downlink.payload_nbytes(p.shape)
-            entries.append(Entry(group, p, index, slice(up, up + nu), slice(down, down + nd)))
+            entries.append(Entry(group, p, index, slice(up, up + nu), slice(down, down + nd), key))
             up, down = up + nu, down + nd
         return entries, up, down
 
@@ -289,8 +298,8 @@ class EF21Muon(CommunicatingOptimizer):
         return self._link
 
     def _prepare(self, step: int, layout: list[Member]) -> None:
-        for _, p in layout:
-            state = self.state[p]
+        for _, p, key in layout:
+            state = self.state[key]
             if "momentum" not in state:                  # M_j = G_j = 0
                 state["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["estimate"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -305,7 +314,7 @@ class EF21Muon(CommunicatingOptimizer):
         entries, _, _ = self._entries(layout)
         payload, rank, momenta = exchange.payload, self.comm.rank, []
         for e in entries:
-            state = self.state[e.param]
+            state = self.state[e.key]
             m_new = new_momentum(state["momentum"], e.param.grad, e.group["beta"])
             message = uplink_message(m_new, state["estimate"], self.uplink.lossless)
             self.uplink.encode(message, payload[e.up], _seed(self.seed, step, e.index, UP, rank))
@@ -324,11 +333,11 @@ class EF21Muon(CommunicatingOptimizer):
             if not anywhere:
                 down[e.down].zero_()
                 continue
-            p, state = e.param, self.state[e.param]
+            p, state = e.param, self.state[e.key]
             parts = [self.uplink.decode(uplinks[r, e.up], p.shape, _seed(self.seed, sent.step, e.index, UP, r))
                      for r in range(uplinks.shape[0])]
             server_estimate_(state["server_estimate"], mean_over_ranks(parts).to(p.dtype), self.uplink.lossless)
-            server_model_(state["server_model"], state["server_estimate"], e.group, lmo_of(e.group, p))
+            server_model_(state["server_model"], state["server_estimate"], e.group, lmo_of(e.group, p), e.key)
             shift = model_shift(state["server_model"], p, self.downlink.lossless)
             self.downlink.encode(shift, down[e.down], _seed(self.seed, sent.step, e.index, DOWN))
 
@@ -344,7 +353,7 @@ class EF21Muon(CommunicatingOptimizer):
         for e, m_new, anywhere in zip(sent.entries, sent.momenta, delivery.present.tolist()):
             if not anywhere:
                 continue
-            p, state = e.param, self.state[e.param]
+            p, state = e.param, self.state[e.key]
             r = None if self.uplink.lossless else \
                 self.uplink.decode(own[e.up], p.shape, _seed(self.seed, step, e.index, UP, rank))
             commit_worker_(state["momentum"], state["estimate"], m_new, r, self.uplink.lossless)

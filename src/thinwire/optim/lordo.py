@@ -42,6 +42,7 @@ Between syncs replicas differ by design; right after every sync they are bit-ide
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -49,6 +50,7 @@ import torch
 from ..ops import adam_denominator, lowrank
 from .base import Member
 from .diloco import PeriodicAveraging, Slot
+from .shards import is_sharded, own_rows, row_range, site_rank, site_size, site_sum_, whole
 
 
 def _check_group(g: dict) -> None:
@@ -73,12 +75,27 @@ def _check_group(g: dict) -> None:
         raise ValueError(f"low_rank must be None (auto: matrices), True or False, got {g['low_rank']!r}")
 
 
-def clipped(grad: torch.Tensor, rho: float | None) -> torch.Tensor:
-    """Ĝ = G · min(1, ρ / ‖G‖_F), in float32 (ρ None: G, not clipped). Never written to."""
+def clipped(grad: torch.Tensor, rho: float | None, key: torch.Tensor) -> torch.Tensor:
+    """Ĝ = G · min(1, ρ / ‖G‖_F), in float32 (ρ None: G, not clipped). Never written to.
+    `grad` is the shard of parameter `key`; ‖G‖_F is the whole gradient's."""
     g = grad.float()
     if rho is None:
         return g
-    return g * min(1.0, rho / max(float(g.norm()), 1e-300))
+    return g * min(1.0, rho / max(whole_norm(key, g), 1e-300))
+
+
+def whole_norm(key: torch.Tensor, g: torch.Tensor) -> float:
+    """‖G‖_F of the whole tensor whose shard is g (√ of the site's sum of squares)."""
+    if not is_sharded(key):
+        return float(g.norm())
+    return float(site_sum_(key, g.square().sum()).sqrt())
+
+
+def whole_mean(key: torch.Tensor, d: torch.Tensor, numel: int) -> float:
+    """mean of the whole tensor (numel elements) whose site-split part d is."""
+    if not is_sharded(key):
+        return float(d.mean())
+    return float(site_sum_(key, d.sum())) / numel
 
 
 def adam_moments_(u: torch.Tensor, v: torch.Tensor, g: torch.Tensor, betas: tuple[float, float]) -> None:
@@ -100,37 +117,61 @@ def full_rank_step_(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, 
     p.addcdiv_(u.to(p.dtype), d.to(p.dtype), value=-lr / (1.0 - beta1 ** t))
 
 
-def low_rank_step_(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, t: int) -> None:
-    """The low-rank step of the module docstring on Ĝ (as p × rest); weight decay already applied."""
+def whole_shape(key: torch.Tensor) -> tuple[int, int]:
+    """The parameter as a matrix: p × rest (conv weights o × i·kh·kw), whole, not its shard."""
+    return key.shape[0], math.prod(key.shape[1:])
+
+
+def low_rank_step_(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, t: int, key: torch.Tensor) -> None:
+    """The low-rank step of the module docstring on Ĝ (as p × rest); weight decay already applied.
+
+    Under FSDP2 p and g are this rank's rows of the parameter `key`; E is row-sharded like
+    them and Q is whole on every rank. Right side: ĝ = X Q has our rows only, so u, v are
+    row-sharded and nothing is communicated. Left side: ĝ = Qᵀ X = Σ_shards Q_sᵀ X_s is
+    summed over the site (r × q), and u, v hold our share of its r rows; u / D is gathered
+    back (r × q) to lift our rows of Q (u / D). mean(D) is the whole D's."""
     (beta1, beta2), lr, omega = group["betas"], group["lr"], group["omega"]
     matrix, q, error = g.reshape(p.shape[0], -1), state["Q"], state.get("error")
-    where = lowrank.side(tuple(matrix.shape))
+    where = lowrank.side(whole_shape(key))
+    q_rows = own_rows(key, q) if where == lowrank.LEFT else q      # Q_s: our rows of a p × r basis
     # X = Ĝ + E                                       (error_feedback=False: X = Ĝ)
     fed = matrix if error is None else matrix + error
-    # ĝ = P(X)
-    low = lowrank.project(fed, q, where)
+    # ĝ = P(X)                                        (left, sharded: Σ over the site of Q_sᵀ X_s)
+    low = lowrank.project(fed, q_rows, where)
+    if where == lowrank.LEFT:
+        site_sum_(key, low)
     if error is not None:
         # E ← X − P*(ĝ)
-        torch.sub(fed, lowrank.lift(low, q, where), out=error)
+        torch.sub(fed, lowrank.lift(low, q_rows, where), out=error)
+    mine = own_rows(key, low) if where == lowrank.LEFT else low    # our share of ĝ's r rows (left)
     u, v = state["exp_avg"], state["exp_avg_sq"]
-    adam_moments_(u, v, low, group["betas"])
+    adam_moments_(u, v, mine, group["betas"])
     # D = √(v / (1 − β₂ᵗ)) + ε                        low-rank, like u and v
     d = adam_denominator(v, 1.0 - beta2 ** t, group["eps"])
     if omega > 0.0:
         # θ ← θ − η ω P*(u / ((1 − β₁ᵗ) D))
-        p.add_(lowrank.lift(u / d, q, where).view(p.shape).to(p.dtype), alpha=-lr * omega / (1.0 - beta1 ** t))
+        scaled = u / d if where == lowrank.RIGHT else whole(key, u / d, rows=low.shape[0])
+        p.add_(lowrank.lift(scaled, q_rows, where).view(p.shape).to(p.dtype), alpha=-lr * omega / (1.0 - beta1 ** t))
     if omega < 1.0:
         # θ ← θ − η (1 − ω) Ĝ / mean(D)
-        p.add_(g.to(p.dtype), alpha=-lr * (1.0 - omega) / float(d.mean()))
+        numel = low.shape[1] * (whole_shape(key)[0] if where == lowrank.RIGHT else low.shape[0])
+        p.add_(g.to(p.dtype), alpha=-lr * (1.0 - omega) / whole_mean(key, d, numel))
 
 
-def refresh_basis_(state: dict, mean_delta: torch.Tensor) -> None:
-    """Q_new = top-r singular vectors of Δ̄ (p × rest); u, v re-expressed from Q in Q_new."""
-    where, q_old = lowrank.side(tuple(mean_delta.shape)), state["Q"]
-    q_new = lowrank.top_singular_basis(mean_delta, q_old.shape[1], where)
-    state["exp_avg"], state["exp_avg_sq"] = lowrank.rotate_moments(
-        state["exp_avg"], state["exp_avg_sq"], q_old, q_new, where)
-    state["Q"] = q_new
+def refresh_basis_(state: dict, mean_delta: torch.Tensor, key: torch.Tensor) -> None:
+    """Q_new = top-r singular vectors of the whole Δ̄ (p × rest; our rows `mean_delta`,
+    gathered over the site); u, v re-expressed from Q in Q_new (left side, sharded: the
+    r rows are gathered, rotated, and our share kept)."""
+    full = whole(key, mean_delta)
+    where, q_old = lowrank.side(tuple(full.shape)), state["Q"]
+    q_new = lowrank.top_singular_basis(full, q_old.shape[1], where)
+    u, v = state["exp_avg"], state["exp_avg_sq"]
+    if where == lowrank.LEFT and is_sharded(key):
+        u, v = whole(key, u, rows=q_old.shape[1]), whole(key, v, rows=q_old.shape[1])
+    u, v = lowrank.rotate_moments(u, v, q_old, q_new, where)
+    if where == lowrank.LEFT:
+        u, v = own_rows(key, u).clone(), own_rows(key, v).clone()
+    state["exp_avg"], state["exp_avg_sq"], state["Q"] = u, v, q_new
 
 
 class LoRDO(PeriodicAveraging):
@@ -190,38 +231,42 @@ class LoRDO(PeriodicAveraging):
 
     def _prepare(self, step: int, layout: list[Member]) -> None:
         super()._prepare(step, layout)
-        for group, p in layout:
-            state = self.state[p]
+        for group, p, key in layout:
+            state = self.state[key]
             if "exp_avg" in state:
                 continue
             state["step"] = 0
             if self.is_low_rank(group, p):
-                shape = (p.shape[0], p[0].numel())                    # p × rest (conv weights: o × i·kh·kw)
+                shape = whole_shape(key)                              # p × rest (conv weights: o × i·kh·kw)
                 r = self._rank_of(group, shape)
-                small = lowrank.low_rank_shape(shape, r)
+                small = lowrank.low_rank_shape(shape, r)              # whole; our rows of it under FSDP2:
+                rows = row_range(small[0], site_size(key), site_rank(key))
+                small = (rows[1] - rows[0], small[1])
                 state.update(Q=lowrank.initial_basis(shape, r, device=p.device),
                              exp_avg=torch.zeros(small, device=p.device),
                              exp_avg_sq=torch.zeros(small, device=p.device))
                 if group["error_feedback"]:
-                    state["error"] = torch.zeros(shape, device=p.device)
+                    state["error"] = torch.zeros(p.shape[0], shape[1], device=p.device)
             else:
                 state.update(exp_avg=torch.zeros_like(p, dtype=torch.float32),
                              exp_avg_sq=torch.zeros_like(p, dtype=torch.float32))
 
     def _local_step(self, step: int, layout: list[Member]) -> None:
-        for group, p in layout:
+        for group, p, key in layout:
             if p.grad is None:                                        # no gradient: no local step
                 continue
-            state = self.state[p]
+            state = self.state[key]
             state["step"] += 1
-            g = clipped(p.grad, group["clip"])
+            g = clipped(p.grad, group["clip"], key)
             if group["weight_decay"]:
                 # θ ← θ (1 − η λ)
                 p.mul_(1.0 - group["lr"] * group["weight_decay"])
-            step_ = low_rank_step_ if "Q" in state else full_rank_step_
-            step_(p, g, state, group, state["step"])
+            if "Q" in state:
+                low_rank_step_(p, g, state, group, state["step"], key)
+            else:
+                full_rank_step_(p, g, state, group, state["step"])
 
     def _after_sync(self, slot: Slot, mean_delta: torch.Tensor) -> None:
-        state = self.state[slot.param]
+        state = self.state[slot.key]
         if "Q" in state:
-            refresh_basis_(state, mean_delta.view(slot.param.shape[0], -1))
+            refresh_basis_(state, mean_delta.view(slot.param.shape[0], -1), slot.key)
