@@ -26,13 +26,19 @@ except ImportError:                       # torch without DTensor: nothing is ev
     DTensor, Shard = (), None
 
 
-def is_sharded(p: torch.Tensor) -> bool:
+def is_dtensor(p: torch.Tensor) -> bool:
     return isinstance(p, DTensor)
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+    """p is split over more than one rank (a DTensor over a 1-rank mesh is whole: its
+    arithmetic is the flat path's, bit for bit)."""
+    return isinstance(p, DTensor) and p.device_mesh.size() > 1
 
 
 def check_sharding(p: torch.Tensor) -> None:
     """ValueError unless p is plain or sharded on dim 0 over a 1-D mesh (FSDP2 over the site)."""
-    if not is_sharded(p):
+    if not is_dtensor(p):
         return
     if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
         raise ValueError(
@@ -48,7 +54,7 @@ def check_sharding(p: torch.Tensor) -> None:
 def local_view(p: torch.Tensor) -> torch.Tensor:
     """This rank's part of p as a plain tensor sharing p's storage, with `.grad` set to its
     part of p.grad (None when p has none). A plain p is returned as it is."""
-    if not is_sharded(p):
+    if not is_dtensor(p):
         return p
     with torch.no_grad():
         local = p.to_local()
@@ -58,7 +64,7 @@ def local_view(p: torch.Tensor) -> torch.Tensor:
 
 def set_grad(p: torch.Tensor, local_grad: torch.Tensor) -> None:
     """Give p (plain or sharded) a gradient whose local part is `local_grad`."""
-    if is_sharded(p):
+    if is_dtensor(p):
         p.grad = DTensor.from_local(local_grad, p.device_mesh, p.placements, run_check=False,
                                     shape=p.shape, stride=p.stride())
     else:
