@@ -149,3 +149,29 @@ def run_one_per_site(rank: int, world: int, names) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("site", "shard"))
     return _cases(names, lambda name: case_one_per_site(name, rank, mesh))
+
+
+def case_one_site(name: str, rank: int, mesh, alone) -> dict:
+    """One site of two shards against an independent reference: the flat optimizer on a plain
+    model in a process of its own (a one-rank group), fed the site's mean gradient directly
+    (the loss averaged over both ranks' batches). The sharded run must match it to float
+    tolerance: whole-matrix operations must see the whole matrix."""
+    build = REGISTRY[name].build
+    model = sharded(make_model(), mesh)
+    opt = build(list(model.parameters()), process_group=mesh["site"].get_group())
+    train(opt, model, rank, 0, STEPS)
+    reference = make_model()
+    ref_opt = build(list(reference.parameters()), process_group=alone)
+    for step in range(STEPS):
+        losses = [loss_on(reference, *problem.batch(r, step)) for r in range(mesh["shard"].size())]
+        (sum(losses) / len(losses)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {"sharded": flat_full(model), "reference": flat_local(reference)}
+
+
+def run_one_site(rank: int, world: int, names) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("site", "shard"))
+    alone, _ = dist.new_subgroups(group_size=1)
+    return _cases(names, lambda name: case_one_site(name, rank, mesh, alone))
