@@ -103,3 +103,49 @@ def test_rate_is_limited(tmp_path):
     assert value == 2.0
     assert 0.7 * expected < elapsed < 2.0 * expected, (elapsed, expected)
     assert _gone(link)
+
+
+def _timed_by_tier(rank, world, nbytes, result_path):
+    """All-reduce inside site 0 (ranks 0, 1), then across the sites (ranks 0, 2): rank 0's times."""
+    import torch
+    import torch.distributed as dist
+    groups = {name: dist.new_group(ranks) for name, ranks in (("site0", [0, 1]), ("site1", [2, 3]),
+                                                               ("across0", [0, 2]), ("across1", [1, 3]))}
+    dist.all_reduce(torch.ones(16))                          # every connection up before timing
+    for name in ("site0", "across0"):
+        if rank in dist.get_process_group_ranks(groups[name]):
+            dist.all_reduce(torch.ones(16), group=groups[name])
+    elapsed = {}
+    for name in ("site0", "across0"):
+        dist.barrier()
+        if rank in dist.get_process_group_ranks(groups[name]):
+            buf = torch.ones(nbytes // 4)
+            t = time.perf_counter()
+            dist.all_reduce(buf, group=groups[name])
+            elapsed[name] = time.perf_counter() - t
+    if rank == 0:
+        with open(result_path, "w") as f:
+            f.write(f"{elapsed['site0']} {elapsed['across0']}")
+
+
+def test_sites_share_a_namespace_and_only_traffic_between_sites_is_limited(tmp_path):
+    """2 sites x 2 workers at 16 Mbit/s: the workers of a site share one namespace and address;
+    2 MB all-reduced inside a site take a small fraction of the ~1 s the same all-reduce
+    takes across the sites (n bytes each way between two ranks over the site's link)."""
+    from thinwire.train.launch import launch
+    rate, nbytes = 16e6, 2_000_000
+    expected = 8 * nbytes / rate
+    out = tmp_path / "elapsed"
+    with EmulatedLink(4, rate, sites=2) as link:
+        assert link.namespaces == [link.site_namespaces[0]] * 2 + [link.site_namespaces[1]] * 2
+        assert len(set(link.namespaces)) == 2 and link.addresses() == ["10.231.0.1", "10.231.0.2"]
+        launch(_timed_by_tier, 4, args=(nbytes, str(out)), namespaces=link.namespaces, ifname=link.ifname)
+    inside, across = map(float, out.read_text().split())
+    assert 0.7 * expected < across < 2.0 * expected, (across, expected)
+    assert inside < 0.2 * expected, (inside, expected)
+    assert _gone(link)
+
+
+def test_sites_must_divide_workers():
+    with pytest.raises(ValueError, match="sites must divide workers"):
+        EmulatedLink(4, 1e6, sites=3)

@@ -14,7 +14,7 @@ from thinwire.train.worker import lr_factor
 
 
 def test_presets_and_overrides():
-    assert set(PRESETS) == {"tiny", "small", "base", "wan"}
+    assert set(PRESETS) == {"tiny", "small", "base", "wan", "sites"}
     cfg = get_preset("tiny", steps=7, lr=None)
     assert cfg.steps == 7 and cfg.n_embd == PRESETS["tiny"].n_embd
     with pytest.raises(ValueError, match="unknown preset"):

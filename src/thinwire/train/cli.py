@@ -13,7 +13,7 @@ import os
 import sys
 
 DEFAULT_COMPARE = "adamw,powersgd,demo"
-_OVERRIDES = ("workers", "n_layer", "n_embd", "n_head", "context", "vocab_size", "rows", "steps", "eval_every",
+_OVERRIDES = ("workers", "sites", "n_layer", "n_embd", "n_head", "context", "vocab_size", "rows", "steps", "eval_every",
               "eval_rows", "seed", "lr", "topk", "chunk", "alpha", "beta", "rank", "values", "compressed_after",
               "uplink", "sync_every", "lowrank")
 _FLOATS, _STRINGS = ("lr", "alpha", "beta", "compressed_after"), ("values", "uplink")
@@ -22,11 +22,13 @@ _FLOATS, _STRINGS = ("lr", "alpha", "beta", "compressed_after"), ("values", "upl
 def _run_args(p: argparse.ArgumentParser) -> None:
     from .config import FIELD_HELP
     p.add_argument("--preset", default="small",
-                   help="tiny (smoke test), small (default), base (longer), wan (link-bound: 2 workers)")
+                   help="tiny (smoke test), small (default), base (longer), wan (link-bound: 2 workers), "
+                        "sites (link-bound: 2 sites x 2 workers)")
     p.add_argument("--out", help="directory for <optimizer>.jsonl logs, summary.json, table.md, plots")
     p.add_argument("--data", help="text file, directory of text files, or .bin of uint16 ids "
                                   "(default: the Python standard library's source)")
-    p.add_argument("--link", help="emulate a slow link, e.g. 100mbit or 100mbit,20ms (root + iproute2)")
+    p.add_argument("--link", help="emulate a slow link, e.g. 100mbit or 100mbit,20ms (root + iproute2); "
+                                  "with --sites, between sites only")
     p.add_argument("--latency", help="per-collective latency for modelled time (default 1ms, or the --link delay)")
     p.add_argument("--target", type=float, help="target validation loss (default: dense baseline's final x 1.02)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -92,6 +94,8 @@ def torchrun_main(argv=None) -> None:
 
     Under torchrun, rank 0 writes <out>/<optimizer>.jsonl and summary.json and prints the
     table (one optimizer per launch; `--link` belongs to the local launcher and is refused).
+    `--sites S` with `torchrun --nnodes S`: torchrun numbers ranks node by node, so each node
+    is one site (FSDP2 inside the node, the optimizer between nodes).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if "RANK" not in os.environ:
@@ -102,6 +106,17 @@ def torchrun_main(argv=None) -> None:
     if args.link:
         raise SystemExit("thinwire: error: --link emulates links between local workers; under torchrun "
                          "the links are real (use `thinwire train --link ...` without torchrun)")
+    if cfg.sites:
+        from .config import check_sites
+        world, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+        try:
+            check_sites(cfg.sites, world)
+        except ValueError as err:
+            raise SystemExit(f"thinwire: error: {err}") from None
+        if local and world // cfg.sites != local:
+            print(f"thinwire: warning: --sites {cfg.sites} puts {world // cfg.sites} ranks in a site but torchrun "
+                  f"runs {local} per node; use --sites {world // local} (= --nnodes) to make each node a site",
+                  file=sys.stderr)
     import torch.distributed as dist
     from .launch import init_from_env
     from .optimizers import get_optimizer

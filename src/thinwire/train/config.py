@@ -5,7 +5,9 @@ A preset is a named `TrainConfig`; command-line flags override single fields
 a minute on 2 cores), `small` the default comparison, `base` a longer, wider run, and
 `wan` the link-bound regime: 2 workers, one window each per step, a model whose dense
 fp32 gradient takes ~20x its compute to cross a 100 Mbit/s link (on GPUs, any preset is
-link-bound at that rate; on 2 CPU cores only this one is).
+link-bound at that rate; on 2 CPU cores only this one is), and `sites` the same model on
+4 workers in 2 sites of 2 (`--sites`, train/sites.py): HSDP AdamW's gradient crosses the
+100 Mbit/s link between the sites once per step.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class TrainConfig:
 
     name: str = "small"
     workers: int = 4             # worker processes the preset is sized for (--workers overrides)
+    sites: int = 0               # two tiers: sites of workers/sites ranks (FSDP2 inside); 0: flat
     n_layer: int = 2
     n_embd: int = 128
     n_head: int = 4
@@ -52,6 +55,8 @@ class TrainConfig:
 # One line per field for `--help` (the CLI's overrides).
 FIELD_HELP = {
     "workers": "worker processes (default: the preset's, 4 except wan's 2)",
+    "sites": "run the workers as S sites of workers/S ranks: FSDP2 inside a site, the optimizer across "
+             "sites; with --link only traffic between sites crosses the slow link (0: flat)",
     "n_layer": "transformer blocks", "n_embd": "model width", "n_head": "attention heads",
     "context": "tokens per window", "vocab_size": "vocabulary (256 for bytes; set it for a .bin)",
     "rows": "global batch: windows per step, split across workers", "steps": "optimizer steps",
@@ -81,6 +86,11 @@ PRESETS = {
     # there at half the DCT flops, and DeMo's compute is what its time to target is made of.
     "wan": TrainConfig(name="wan", workers=2, n_layer=2, n_embd=384, n_head=6, rows=2, steps=600,
                        topk=15, chunk=32, values="int8"),
+    # Two tiers: wan's model on 2 sites of 2 workers, one window per worker and step. HSDP
+    # AdamW's gradient (14.7 MB fp32) crosses the 100 Mbit/s link between the sites each step,
+    # ~1.2 s against ~0.2 s of compute (4 processes on 2 cores, FSDP2 inside each site).
+    "sites": TrainConfig(name="sites", workers=4, sites=2, n_layer=2, n_embd=384, n_head=6, rows=4, steps=600,
+                         topk=15, chunk=32, values="int8"),
 }
 
 
@@ -105,9 +115,18 @@ def get_preset(name: str, **overrides) -> TrainConfig:
         raise ValueError(f"compressed_after must be in [0, 1], got {cfg.compressed_after}")
     if cfg.sync_every < 1 or cfg.lowrank < 0:
         raise ValueError(f"sync_every must be >= 1 and lowrank >= 0, got {cfg.sync_every}, {cfg.lowrank}")
+    if cfg.sites < 0:
+        raise ValueError(f"sites must be >= 0 (0: flat), got {cfg.sites}")
     if cfg.n_embd % cfg.n_head:
         raise ValueError(f"n_embd ({cfg.n_embd}) must be a multiple of n_head ({cfg.n_head})")
     return cfg
+
+
+def check_sites(sites: int, workers: int) -> None:
+    """ValueError unless `sites` (>= 1) divides `workers`: every site holds the same number of ranks."""
+    if sites < 1 or workers % sites:
+        raise ValueError(f"--sites must be a divisor of --workers ({workers}) so every site holds the same "
+                         f"number of ranks, got {sites}")
 
 
 # Bandwidths every run is modelled at (bits per second), in table order.

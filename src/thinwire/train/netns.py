@@ -1,13 +1,20 @@
-"""An emulated slow link: every worker in its own network namespace, joined by a bridge.
+"""An emulated slow link: every worker (or every site of workers) in its own network
+namespace, joined by a bridge.
 
     with EmulatedLink(workers=4, rate_bps=100e6, delay_s=0.0) as link:
         launch(fn, 4, namespaces=link.namespaces, ifname=link.ifname)
+    with EmulatedLink(workers=4, rate_bps=100e6, sites=2) as link:     # 2 sites of 2 workers
+        launch(fn, 4, namespaces=link.namespaces, ifname=link.ifname)
 
-Worker i lives in namespace `tw<pid>n<i>` with one veth end named `twl` (address
-10.231.0.<i+1>/24; the addresses exist only inside the namespaces we create) and the other
-end on a bridge in the host namespace. A token-bucket filter (`tc qdisc ... tbf`) limits
-both directions of every worker's link to `rate_bps`: the namespace side shapes what the
-worker sends, the bridge side what it receives, so a full-duplex link of that rate. A
+Site s (by default each worker is its own site) is namespace `tw<pid>n<s>`, holding workers
+s·W/S ... (s+1)·W/S − 1 (`namespaces[i]` is worker i's), with one veth end named `twl`
+(address 10.231.0.<s+1>/24; the addresses exist only inside the namespaces we create) and
+the other end on a bridge in the host namespace. Workers of one site share the address:
+traffic between them is local to the namespace (the kernel routes it over loopback) and
+never shaped; only traffic between sites crosses the veths. A token-bucket filter
+(`tc qdisc ... tbf`) limits both directions of every site's link to `rate_bps`: the
+namespace side shapes what the site sends, the bridge side what it receives, so a
+full-duplex link of that rate shared by the site's workers. A
 one-way delay, when asked for, is a netem qdisc on the namespace side (it needs the
 kernel's sch_netem). Needs root and iproute2 (`available()` says why not). Everything is
 removed on exit from the `with` block — normal, exception, Ctrl-C — and at interpreter
@@ -53,24 +60,29 @@ def _tbf(rate_bps: float) -> list[str]:
 
 
 class EmulatedLink:
-    def __init__(self, workers: int, rate_bps: float, delay_s: float = 0.0):
+    def __init__(self, workers: int, rate_bps: float, delay_s: float = 0.0, sites: int | None = None):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
+        sites = workers if sites is None else sites
+        if sites < 1 or workers % sites:
+            raise ValueError(f"sites must divide workers ({workers}), got {sites}")
         if not rate_bps > 0:
             raise ValueError(f"rate_bps must be > 0, got {rate_bps}")
         if delay_s < 0:
             raise ValueError(f"delay_s must be >= 0, got {delay_s}")
-        self.workers, self.rate_bps, self.delay_s = workers, rate_bps, delay_s
+        self.workers, self.sites, self.rate_bps, self.delay_s = workers, sites, rate_bps, delay_s
         tag = f"tw{os.getpid()}"
-        self.namespaces = [f"{tag}n{i}" for i in range(workers)]
-        self.host_ends = [f"{tag}h{i}" for i in range(workers)]
+        self.site_namespaces = [f"{tag}n{s}" for s in range(sites)]
+        self.namespaces = [self.site_namespaces[i // (workers // sites)] for i in range(workers)]   # per worker
+        self.host_ends = [f"{tag}h{s}" for s in range(sites)]
         self.bridge = f"{tag}br"
         self.ifname = IFNAME
         self._created: list[tuple[str, str]] = []                 # ('netns'|'link', name)
         self._old_sigterm = None
 
     def addresses(self) -> list[str]:
-        return [f"10.231.0.{i + 1}" for i in range(self.workers)]
+        """One per site."""
+        return [f"10.231.0.{s + 1}" for s in range(self.sites)]
 
     def __enter__(self) -> "EmulatedLink":
         ok, reason = available()
@@ -92,7 +104,7 @@ class EmulatedLink:
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         self._created.append(("link", self.bridge))
         _run("ip", "link", "set", self.bridge, "up")
-        for ns, host, addr in zip(self.namespaces, self.host_ends, self.addresses()):
+        for ns, host, addr in zip(self.site_namespaces, self.host_ends, self.addresses()):
             _run("ip", "netns", "add", ns)
             self._created.append(("netns", ns))
             _run("ip", "link", "add", host, "type", "veth", "peer", "name", IFNAME, "netns", ns)

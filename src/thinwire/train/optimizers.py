@@ -1,6 +1,7 @@
 """The optimizer registry of the harness: command-line name -> how to build it.
 
     OPTIMIZERS["demo"].build(model, cfg, lr) -> Built(optimizer, forward_model, stats, counts_itself)
+    OPTIMIZERS["demo"].build(model, cfg, lr, group=site_group)   # on FSDP2 shards (--sites)
 
 Each entry has a factory and default learning rates per preset (from the sweep documented
 in docs/harness.md). A new optimizer is one `register(...)` call. Every factory returns
@@ -11,6 +12,12 @@ the thing the training loop steps and the CommStats its bytes are counted in:
     `powersgd.count_ddp_hook_collectives`, and the loop calls `stats.begin_step()` before
     each backward (the hook communicates during backward).
 Dense baselines send fp32 gradients (DenseAllReduce's default); the table says so.
+
+Under `--sites` with several ranks per site (train/sites.py) a thinwire optimizer
+(`on_shards`) is built on the model's FSDP2 shards with `group` = the process group across
+sites; a dense baseline with an `hsdp` factory becomes the plain torch optimizer under FSDP2
+HSDP; the others (Muon's whole-matrix step, PowerSGD's DDP hook) are refused before any
+worker starts.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ class OptimizerSpec:
     dense: bool = False                    # a dense baseline (time-to-target reference)
     description: str = ""
     counterpart: str = "adamw"             # the dense baseline it compresses (its bytes ratio)
+    hsdp: Callable | None = None           # dense: (params, cfg, lr) -> the torch optimizer under HSDP
+    on_shards: bool = False                # a thinwire optimizer that runs on FSDP2 shards (group=)
 
     def lr_for(self, preset: str) -> float:
         return self.default_lr.get(preset, self.default_lr["small"])
@@ -62,13 +71,20 @@ def _wrap(opt: torch.optim.Optimizer, model: torch.nn.Module) -> Built:
     return Built(opt, model, opt.comm_stats)
 
 
-def _adamw(model, cfg, lr):
-    return _wrap(DenseAllReduce(torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95),
-                                                  weight_decay=0.1)), model)
+def _torch_adamw(params, cfg, lr):
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def _adam(model, cfg, lr):
-    return _wrap(DenseAllReduce(torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.95))), model)
+def _torch_adam(params, cfg, lr):
+    return torch.optim.Adam(params, lr=lr, betas=(0.9, 0.95))
+
+
+def _adamw(model, cfg, lr, group=None):
+    return _wrap(DenseAllReduce(_torch_adamw(model.parameters(), cfg, lr), process_group=group), model)
+
+
+def _adam(model, cfg, lr, group=None):
+    return _wrap(DenseAllReduce(_torch_adam(model.parameters(), cfg, lr), process_group=group), model)
 
 
 def _split(model) -> tuple[list, list]:
@@ -78,23 +94,24 @@ def _split(model) -> tuple[list, list]:
     return matrices, [p for p in model.parameters() if id(p) not in ids]
 
 
-def _muon(model, cfg, lr):
+def _muon(model, cfg, lr, group=None):
     """torch.optim.Muon on hidden matrices, AdamW on embeddings/head/norms (Muon's usual split);
     'match_rms_adamw' scaling lets both share one learning rate."""
     matrices, rest = _split(model)
     inner = [torch.optim.Muon(matrices, lr=lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
              torch.optim.AdamW(rest, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)]
-    return _wrap(DenseAllReduce(inner), model)
+    return _wrap(DenseAllReduce(inner, process_group=group), model)
 
 
-def _demo(model, cfg, lr):
+def _demo(model, cfg, lr, group=None):
     return _wrap(DeMo(model.parameters(), lr=lr, topk=cfg.topk, chunk=cfg.chunk, alpha=cfg.alpha,
-                      beta=cfg.beta, values=cfg.values, weight_decay=0.0), model)
+                      beta=cfg.beta, values=cfg.values, weight_decay=0.0, process_group=group), model)
 
 
-def _apmsqueeze(model, cfg, lr):
+def _apmsqueeze(model, cfg, lr, group=None):
     warmup = max(1, round(cfg.compressed_after * cfg.steps))        # APMSqueeze needs >= 1 Adam step for v
-    return _wrap(APMSqueeze(model.parameters(), lr=lr, warmup_steps=warmup, betas=(0.9, 0.95)), model)
+    return _wrap(APMSqueeze(model.parameters(), lr=lr, warmup_steps=warmup, betas=(0.9, 0.95),
+                            process_group=group), model)
 
 
 # EF21-Muon's radius for sign / RMS LMOs relative to the matrices' spectral radius: with
@@ -108,7 +125,7 @@ EF21_VECTOR_LR = 0.4
 EF21_BETA = 0.3
 
 
-def _ef21_muon(model, cfg, lr):
+def _ef21_muon(model, cfg, lr, group=None):
     matrices, rest = _split(model)
     embeddings = [p for p in rest if p.dim() == 2]
     gains = [p for p in rest if p.dim() < 2]
@@ -116,7 +133,7 @@ def _ef21_muon(model, cfg, lr):
               {"params": embeddings, "lmo": "sign", "lr": lr * EF21_VECTOR_LR},
               {"params": gains, "lmo": "rms", "lr": lr * EF21_VECTOR_LR}]
     opt = EF21Muon([g for g in groups if g["params"]], lr=lr, beta=EF21_BETA, weight_decay=0.1, uplink=cfg.uplink,
-                   downlink="identity", topology="replicated")
+                   downlink="identity", topology="replicated", process_group=group)
     return _wrap(opt, model)
 
 
@@ -125,20 +142,20 @@ def _ef21_muon(model, cfg, lr):
 LORDO_CLIP = 0.25
 
 
-def _lordo(model, cfg, lr):
+def _lordo(model, cfg, lr, group=None):
     matrices, rest = _split(model)
     rank = cfg.lowrank or min(256, max(1, cfg.n_embd // 4))
     groups = [{"params": matrices, "low_rank": True}, {"params": rest, "low_rank": False}]
     return _wrap(LoRDO(groups, lr=lr, rank=rank, sync_every=cfg.sync_every, clip=LORDO_CLIP, betas=(0.9, 0.95),
-                       weight_decay=0.1), model)
+                       weight_decay=0.1, process_group=group), model)
 
 
-def _diloco(model, cfg, lr):
-    inner = lambda ps: torch.optim.AdamW(ps, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)  # noqa: E731
-    return _wrap(DiLoCo(model.parameters(), inner=inner, sync_every=cfg.sync_every), model)
+def _diloco(model, cfg, lr, group=None):
+    inner = lambda ps: _torch_adamw(ps, cfg, lr)  # noqa: E731
+    return _wrap(DiLoCo(model.parameters(), inner=inner, sync_every=cfg.sync_every, process_group=group), model)
 
 
-def _powersgd(model, cfg, lr):
+def _powersgd(model, cfg, lr, group=None):
     from .powersgd import ddp_powersgd
     ddp, stats = ddp_powersgd(model, rank=cfg.rank)
     opt = torch.optim.AdamW(ddp.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -149,22 +166,24 @@ def _powersgd(model, cfg, lr):
 # (benchmarks/lr_sweep.py, 4 workers, 300 steps); `tiny` (60 steps) uses a higher rate for its
 # short schedule and `base` the small preset's, both unswept. `wan` (one window per worker
 # and step) was swept for AdamW and DeMo (docs/harness.md); Adam and PowerSGD's inner AdamW
-# take AdamW's rate there, unswept; the others fall back to their `small` rate.
-register(OptimizerSpec("adamw", _adamw, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 3e-4}, dense=True,
-                       description="dense fp32 all-reduce + AdamW"))
-register(OptimizerSpec("adam", _adam, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 3e-4}, dense=True,
-                       description="dense fp32 all-reduce + Adam", counterpart="adam"))
+# take AdamW's rate there, unswept; the others fall back to their `small` rate. `sites` (the
+# wan model on 4 workers in 2 sites) takes wan's rates, unswept.
+register(OptimizerSpec("adamw", _adamw, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 3e-4, "sites": 3e-4}, dense=True,
+                       description="dense fp32 all-reduce + AdamW", hsdp=_torch_adamw))
+register(OptimizerSpec("adam", _adam, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 3e-4, "sites": 3e-4}, dense=True,
+                       description="dense fp32 all-reduce + Adam", counterpart="adam", hsdp=_torch_adam))
 register(OptimizerSpec("muon", _muon, {"tiny": 3e-3, "small": 1e-2, "base": 1e-2}, dense=True,
                        description="dense fp32 all-reduce + Muon (AdamW for non-matrices)", counterpart="muon"))
-register(OptimizerSpec("powersgd", _powersgd, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 3e-4},
+register(OptimizerSpec("powersgd", _powersgd, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 3e-4, "sites": 3e-4},
                        description="PyTorch DDP PowerSGD hook (rank 4) + AdamW"))
-register(OptimizerSpec("demo", _demo, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 4e-4},
-                       description="DeMo (DCT top-k, signum)"))
+register(OptimizerSpec("demo", _demo, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 4e-4, "sites": 4e-4},
+                       description="DeMo (DCT top-k, signum)", on_shards=True))
 register(OptimizerSpec("apmsqueeze", _apmsqueeze, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3},
-                       description="APMSqueeze (Adam warmup, then 1-bit momentum)", counterpart="adam"))
+                       description="APMSqueeze (Adam warmup, then 1-bit momentum)", counterpart="adam", on_shards=True))
 register(OptimizerSpec("ef21-muon", _ef21_muon, {"tiny": 1e-2, "small": 1.2e-1, "base": 1.2e-1},
-                       description="EF21-Muon (replicated, beta 0.3, uplink top-44% int8)", counterpart="muon"))
+                       description="EF21-Muon (replicated, beta 0.3, uplink top-44% int8)", counterpart="muon",
+                       on_shards=True))
 register(OptimizerSpec("lordo", _lordo, {"tiny": 3e-3, "small": 5e-3, "base": 5e-3},
-                       description="LoRDO (low-rank Adam, sync every 32)"))
+                       description="LoRDO (low-rank Adam, sync every 32)", on_shards=True))
 register(OptimizerSpec("diloco", _diloco, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3},
-                       description="DiLoCo (AdamW inner, Nesterov outer, sync every 32)"))
+                       description="DiLoCo (AdamW inner, Nesterov outer, sync every 32)", on_shards=True))

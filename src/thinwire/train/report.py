@@ -6,9 +6,15 @@ Modelled wall time of a run at bandwidth B (bits/s) and per-collective latency L
 
 with compute_s = measured step time − time blocked in collectives (worker.py), and link
 bytes from thinwire.comm.links (ring all-reduce 2n(W−1)/W each way, ...): a full-duplex
-link of rate B carries the larger direction. Time to target is the training time
-(evaluations excluded) at the first evaluation whose validation loss is <= the target;
-None when never reached. The target defaults to the dense baseline's final loss x 1.02.
+link of rate B carries the larger direction. 'compute' is the same sum with a free link
+(B infinite, no latency). Time to target is the training time (evaluations excluded) at the
+first evaluation whose validation loss is <= the target; None when never reached. The
+target defaults to the dense baseline's final loss x 1.02.
+
+Under `--sites` the link is a site's: its ranks share it, so the link bytes of a step are
+the busiest site's sum over its ranks (the log's final `tiers` record), compute_s excludes
+only the time blocked in inter-site collectives (FSDP2's traffic inside a site is compute's
+fast tier), and the row adds the intra-site bytes and the optimizer-state bytes per rank.
 """
 
 from __future__ import annotations
@@ -33,14 +39,26 @@ def read_log(path: str | Path) -> dict:
     return {"steps": steps, "evals": evals, "final": final}
 
 
-def cumulative_times(steps: list[dict], latency_s: float) -> dict[str, list[float]]:
-    """Per time model ('measured' and each bandwidth), the elapsed time after every step,
-    with a leading 0 for 'before step 1'."""
-    out = {"measured": [0.0], **{name: [0.0] for name in BANDWIDTHS}}
-    for s in steps:
+def link_per_step(log: dict) -> list[tuple[int, int]]:
+    """(link bytes sent, received) of every step: the rank's, or under --sites its busiest site's."""
+    tiers = (log.get("final") or {}).get("tiers")
+    if tiers:
+        return list(zip(tiers["site"]["link_bytes_sent"], tiers["site"]["link_bytes_received"]))
+    return [(s["link_bytes_sent"], s["link_bytes_received"]) for s in log["steps"]]
+
+
+def cumulative_times(steps: list[dict], latency_s: float, link: list[tuple[int, int]] | None = None
+                     ) -> dict[str, list[float]]:
+    """Per time model ('measured', 'compute' and each bandwidth), the elapsed time after
+    every step, with a leading 0 for 'before step 1'. `link`: (sent, received) bytes per step
+    (default: the steps' own)."""
+    link = link or [(s["link_bytes_sent"], s["link_bytes_received"]) for s in steps]
+    out = {"measured": [0.0], "compute": [0.0], **{name: [0.0] for name in BANDWIDTHS}}
+    for s, (sent, received) in zip(steps, link):
         out["measured"].append(out["measured"][-1] + s["step_s"])
         compute = s["step_s"] - s["comm_s"]
-        wire = 8 * max(s["link_bytes_sent"], s["link_bytes_received"])
+        out["compute"].append(out["compute"][-1] + compute)
+        wire = 8 * max(sent, received)
         for name, bw in BANDWIDTHS.items():
             out[name].append(out[name][-1] + compute + wire / bw + s["collectives"] * latency_s)
     return out
@@ -55,7 +73,8 @@ def summarize(optimizer: str, log: dict, target: float, latency_s: float, link: 
     steps, evals = log["steps"], log["evals"]
     n = len(steps)
     mean = lambda key: sum(s[key] for s in steps) / n
-    times = cumulative_times(steps, latency_s)
+    link_bytes = link_per_step(log)
+    times = cumulative_times(steps, latency_s, link_bytes)
     row = {
         "optimizer": optimizer,
         "val_loss": evals[-1]["val_loss"],
@@ -72,11 +91,39 @@ def summarize(optimizer: str, log: dict, target: float, latency_s: float, link: 
         "payload_bytes_per_step_by_tag": _by_tag(log["final"], n),
         "comm_stats": log["final"]["comm_stats"] if log["final"] else None,
         "n_params": log["final"]["n_params"] if log["final"] else None,
+        "optimizer_state_bytes_per_rank": (log["final"] or {}).get("optimizer_state_bytes"),
     }
+    tiers = (log["final"] or {}).get("tiers")
+    if tiers:
+        row.update(_tiers(tiers, steps))
     if link is not None:
         row["link"] = link
-        row["modelled_at_link_s"] = _at_link(steps, link, latency_s)
+        row["modelled_at_link_s"] = _at_link(steps, link_bytes, link["rate_bps"], latency_s)
     return row
+
+
+def _tiers(tiers: dict, steps: list[dict]) -> dict:
+    """The per-tier figures of a --sites run (summary.json's `inter_site` and `intra_site`)."""
+    n = len(steps)
+    mean = lambda xs: sum(xs) / n
+    site = tiers["site"]
+    return {
+        "sites": tiers["sites"], "ranks_per_site": tiers["ranks_per_site"],
+        # the busiest rank's state: what each rank needs memory for
+        "optimizer_state_bytes_per_rank": max(tiers["optimizer_state_bytes"]),
+        "optimizer_state_bytes_by_rank": tiers["optimizer_state_bytes"],
+        "inter_site": {
+            "payload_bytes_per_step_per_worker": mean([s["payload_bytes"] for s in steps]),
+            "payload_bytes_per_step_per_site": mean(site["payload_bytes"]),
+            "link_bytes_per_step_per_site": mean(site["link_bytes_sent"]),
+            "link_bytes_received_per_step_per_site": mean(site["link_bytes_received"]),
+        },
+        "intra_site": {                      # FSDP2's all-gathers and reduce-scatters, measured (rank 0)
+            "payload_bytes_per_step_per_worker": mean([s.get("intra_payload_bytes", 0) for s in steps]),
+            "link_bytes_per_step_per_worker": mean([s.get("intra_link_bytes_sent", 0) for s in steps]),
+            "collectives_per_step": mean([s.get("intra_collectives", 0) for s in steps]),
+        },
+    }
 
 
 def _by_tag(final: dict | None, steps: int) -> dict[str, float]:
@@ -86,10 +133,9 @@ def _by_tag(final: dict | None, steps: int) -> dict[str, float]:
     return {tag: c["payload_bytes"] / steps for tag, c in final["comm_stats"]["by_tag"].items()}
 
 
-def _at_link(steps: list[dict], link: dict, latency_s: float) -> float:
-    bw = link["rate_bps"]
-    return sum(s["step_s"] - s["comm_s"] + 8 * max(s["link_bytes_sent"], s["link_bytes_received"]) / bw
-               + s["collectives"] * latency_s for s in steps)
+def _at_link(steps: list[dict], link_bytes: list[tuple[int, int]], bw: float, latency_s: float) -> float:
+    return sum(s["step_s"] - s["comm_s"] + 8 * max(sent, received) / bw + s["collectives"] * latency_s
+               for s, (sent, received) in zip(steps, link_bytes))
 
 
 def _mb(x: float) -> str:
@@ -112,18 +158,24 @@ def format_table(rows: list[dict], baseline: str | None) -> str:
     """Markdown table of a comparison; byte ratios against each run's dense counterpart
     (Adam for APMSqueeze, Muon for EF21-Muon, ...) when it ran, else against `baseline`."""
     by_name = {r["optimizer"]: r for r in rows}
-    head = ("| optimizer | val loss | payload MB/step/worker | link MB/step | x fewer bytes | step s | "
+    tiered = any("inter_site" in r for r in rows)
+    payload, link = (("inter-site payload MB/step/worker", "inter-site link MB/step/site") if tiered else
+                     ("payload MB/step/worker", "link MB/step"))
+    head = (f"| optimizer | val loss | {payload} | {link} | x fewer bytes | step s | "
             "to target: measured s | " + " | ".join(f"{k} s" for k in BANDWIDTHS) + " |")
     lines = [head, "|" + "---|" * (7 + len(BANDWIDTHS))]
     for r in rows:
         ratio = _ratio(r, by_name, baseline)
         ttt = r["time_to_target_s"]
+        link_mb = r["inter_site"]["link_bytes_per_step_per_site"] if "inter_site" in r else r["link_bytes_per_step"]
         lines.append(f"| {r['optimizer']} | {r['val_loss']:.4f} | {_mb(r['payload_bytes_per_step'])} | "
-                     f"{_mb(r['link_bytes_per_step'])} | {ratio} | {r['step_time_s']:.3f} | {_t(ttt['measured'])} | "
+                     f"{_mb(link_mb)} | {ratio} | {r['step_time_s']:.3f} | {_t(ttt['measured'])} | "
                      + " | ".join(_t(ttt[k]) for k in BANDWIDTHS) + " |")
     target = rows[0]["target_loss"] if rows else float("nan")
     lines.append(f"\nTarget validation loss {target:.4f}; dense baselines send fp32 gradients; "
                  f"modelled time = compute + link bytes / bandwidth + collectives x latency (training only).")
+    if tiered:
+        lines.append("\n" + _tiers_table(rows))
     for r in rows:
         tags = {t: b for t, b in r.get("payload_bytes_per_step_by_tag", {}).items() if t != "handshake"}
         if len(tags) > 1:
@@ -136,6 +188,32 @@ def format_table(rows: list[dict], baseline: str | None) -> str:
             verdict = "agree within 25 %" if gap <= 0.25 else "DISAGREE by more than 25 %"
             lines.append(f"{r['optimizer']} over the emulated {r['link']['spec']} link: measured "
                          f"{measured:.1f} s, modelled {modelled:.1f} s ({gap:.0%} apart: {verdict}).")
+    return "\n".join(lines)
+
+
+def _tiers_table(rows: list[dict]) -> str:
+    """Per tier, for --sites runs: inter-site bytes per worker and per site, intra-site bytes,
+    optimizer state per rank, compute per step and time to target with a free link."""
+    r0 = next(r for r in rows if "inter_site" in r)
+    lines = ["| optimizer | inter-site payload MB/step: worker / site | inter-site link MB/step/site | "
+             "intra-site MB/step/worker: payload / link | optimizer state MB/rank | step s | compute s | "
+             "to target: link-free s |", "|" + "---|" * 8]
+    for r in rows:
+        inter, intra = r.get("inter_site"), r.get("intra_site")
+        if inter is None:
+            continue
+        lines.append(f"| {r['optimizer']} | {_mb(inter['payload_bytes_per_step_per_worker'])} / "
+                     f"{_mb(inter['payload_bytes_per_step_per_site'])} | {_mb(inter['link_bytes_per_step_per_site'])} | "
+                     f"{_mb(intra['payload_bytes_per_step_per_worker'])} / {_mb(intra['link_bytes_per_step_per_worker'])} | "
+                     f"{_mb(r['optimizer_state_bytes_per_rank'])} | {r['step_time_s']:.3f} | "
+                     f"{r['compute_time_s']:.3f} | {_t(r['time_to_target_s']['compute'])} |")
+    lines.append(f"\n{r0['sites']} sites x {r0['ranks_per_site']} ranks: FSDP2 inside each site, the optimizer "
+                 f"across sites; dense baselines are FSDP2 HSDP (gradient reduce-scattered in the site, "
+                 f"all-reduced across sites) with the plain torch optimizer. Inter-site bytes are measured "
+                 f"(optimizer comm stats; FSDP2's all-reduce); the site's link carries the sum over its ranks "
+                 f"(busiest site), which modelled times use. Intra-site bytes are FSDP2's all-gathers and "
+                 f"reduce-scatters, measured on rank 0. Compute = step time - time blocked in inter-site "
+                 f"collectives; link-free = the sum of compute up to the target.")
     return "\n".join(lines)
 
 
@@ -155,7 +233,7 @@ def plot(logs: dict[str, dict], out_dir: Path, latency_s: float) -> list[Path]:
         cum = [0]
         for s in log["steps"]:
             cum.append(cum[-1] + s["payload_bytes"])
-        t100 = cumulative_times(log["steps"], latency_s)["100mbit"]
+        t100 = cumulative_times(log["steps"], latency_s, link_per_step(log))["100mbit"]
         axes[0].plot(steps, loss, label=name)
         axes[1].plot([cum[k] / 1e6 for k in steps], loss, label=name)
         axes[2].plot([t100[k] for k in steps], loss, label=name)

@@ -6,6 +6,8 @@ Each optimizer runs in turn on the same data, seed and initial weights, on `work
 gloo processes (optionally across an emulated link, netns.EmulatedLink). Rank 0 logs every
 step to `<out>/<optimizer>.jsonl`; afterwards `<out>/summary.json` holds one row per run
 (report.summarize) and the markdown table is printed (and saved as `<out>/table.md`).
+With `cfg.sites` (`--sites S`) the workers are S sites (train/sites.py) and `--link` puts
+each site, not each worker, in its own namespace.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 
-from .config import TrainConfig, parse_link
+from .config import TrainConfig, check_sites, parse_link
 from .data import check_corpus, load_corpus
 from .launch import launch
 from .optimizers import OPTIMIZERS, get_optimizer
@@ -39,11 +41,20 @@ def check_run(cfg: TrainConfig, optimizers: list[str], workers: int, data: str |
     if workers > cfg.rows:
         raise ValueError(f"{workers} workers but only {cfg.rows} batch rows per step: every worker needs "
                          f"at least one row (raise --rows or lower --workers)")
+    if cfg.sites:
+        check_sites(cfg.sites, workers)
+        if workers > cfg.sites:                         # several ranks per site: FSDP2 shards
+            from .sites import why_not_on_shards
+            for name in optimizers:
+                reason = why_not_on_shards(get_optimizer(name))
+                if reason:
+                    raise ValueError(f"{reason}; under --sites {cfg.sites} with {workers // cfg.sites} ranks per "
+                                     f"site run it without --sites (or with --sites {workers})")
     train, val = load_corpus(data, cfg.vocab_size)
     check_corpus(train, val, cfg.context)
 
 
-def _link_context(link: str | None, workers: int):
+def _link_context(link: str | None, workers: int, sites: int = 0):
     """(context manager, link description or None); falls back to modelled time only."""
     if link is None:
         return nullcontext(None), None
@@ -53,7 +64,8 @@ def _link_context(link: str | None, workers: int):
     if not ok:
         print(f"thinwire: cannot emulate --link {link}: {reason}. Reporting modelled time only.", file=sys.stderr)
         return nullcontext(None), None
-    return EmulatedLink(workers, rate, delay), {"spec": link, "rate_bps": rate, "delay_s": delay}
+    return (EmulatedLink(workers, rate, delay, sites=sites or None),
+            {"spec": link, "rate_bps": rate, "delay_s": delay, "sites": sites or workers})
 
 
 def compare(cfg: TrainConfig, optimizers: list[str], workers: int | None = None, out_dir: str | None = None,
@@ -65,7 +77,7 @@ def compare(cfg: TrainConfig, optimizers: list[str], workers: int | None = None,
     check_run(cfg, optimizers, workers, data)
     out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="thinwire-"))
     out.mkdir(parents=True, exist_ok=True)
-    context, link_info = _link_context(link, workers)
+    context, link_info = _link_context(link, workers, cfg.sites)
     if latency_s is None:
         latency_s = link_info["delay_s"] if link_info and link_info["delay_s"] else DEFAULT_LATENCY_S
     logs = {}
@@ -96,7 +108,8 @@ def report(cfg: TrainConfig, logs: dict[str, dict], workers: int, out: Path, lat
         rows.append(row)
     table = format_table(rows, baseline)
     (out / "summary.json").write_text(json.dumps({"target_loss": target, "baseline": baseline,
-                                                  "latency_s": latency_s, "runs": rows}, indent=2))
+                                                  "latency_s": latency_s, "sites": cfg.sites or None,
+                                                  "runs": rows}, indent=2))
     (out / "table.md").write_text(table + "\n")
     plots = plot(logs, out, latency_s)
     if show:

@@ -10,7 +10,12 @@ timing every collective call and wait (timing.py; PowerSGD's waits too, powersgd
 Validation (every `eval_every` steps and at the end) runs outside the timed region; its
 loss is averaged over ranks with an uncounted harness all-reduce. Rank 0 writes one JSON
 line per step and per evaluation to `log_path`, and a final record with the optimizer's
-own cumulative comm stats.
+own cumulative comm stats and its state's bytes on this rank.
+
+Under `--sites` (cfg.sites, train/sites.py) the model is FSDP2-sharded inside each site and
+the step's bytes are the inter-site ones; each step record adds FSDP2's intra-site bytes
+(`intra_*`), and the final record adds `tiers`: every rank's optimizer-state bytes and, per
+step, the busiest site's inter-site bytes summed over its ranks (gathered after training).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from .data import load_corpus, train_batch, val_starts, windows
 from .model import build_model
 from .optimizers import get_optimizer
 from .progress import Progress
+from .sites import Tiers, optimizer_state_bytes, setup, site_sums
 from .timing import BLOCKED, install
 
 
@@ -40,16 +46,21 @@ def lr_factor(step: int, cfg) -> float:
 
 @torch.no_grad()
 def evaluate(model, val_ids, starts, cfg, rank: int, world: int) -> float:
-    """Mean validation loss over the run's fixed windows; each rank scores its share."""
+    """Mean validation loss over the run's fixed windows; each rank scores its share. Every
+    rank runs the same number of forward passes (under FSDP2 each one all-gathers): a rank
+    whose share has run out scores a spare window and counts nothing."""
     model.eval()
     mine = starts[rank::world]
     device = next(model.parameters()).device
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    for chunk in mine.split(max(1, cfg.rows)):
-        x, y = (t.to(device) for t in windows(val_ids, chunk, cfg.context))
+    rows = max(1, cfg.rows)
+    for i in range(0, -(-len(starts) // world), rows):
+        chunk = mine[i:i + rows]
+        x, y = (t.to(device) for t in windows(val_ids, chunk if len(chunk) else starts[:1], cfg.context))
         logits = model(x)
-        total[0] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").double()
-        total[1] += y.numel()
+        if len(chunk):
+            total[0] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").double()
+            total[1] += y.numel()
     if world > 1:
         dist.all_reduce(total)
     model.train()
@@ -63,18 +74,20 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _record(stats) -> dict:
+def _record(stats, prefix: str = "") -> dict:
     s = stats.last_step
-    return {"payload_bytes": s.payload_bytes, "link_bytes_sent": s.link_bytes_sent,
-            "link_bytes_received": s.link_bytes_received, "collectives": s.collectives}
+    return {prefix + "payload_bytes": s.payload_bytes, prefix + "link_bytes_sent": s.link_bytes_sent,
+            prefix + "link_bytes_received": s.link_bytes_received, prefix + "collectives": s.collectives}
 
 
-def _timed_step(built, sched, x, y) -> dict:
-    """One optimizer step; its loss, lr, wall time and time blocked in collectives."""
+def _timed_step(built, sched, x, y, fsdp=None) -> dict:
+    """One optimizer step; its loss, lr, wall time and time blocked in (inter-site) collectives."""
     BLOCKED[0] = 0.0
     t0 = time.perf_counter()
     if not built.counts_itself:
-        built.stats.begin_step()              # PowerSGD communicates inside backward
+        built.stats.begin_step()              # PowerSGD and HSDP communicate inside backward
+    if fsdp is not None:
+        fsdp.intra.begin_step()
     loss = F.cross_entropy(built.model(x).flatten(0, 1), y.flatten())
     loss.backward()
     built.optimizer.step()
@@ -84,7 +97,8 @@ def _timed_step(built, sched, x, y) -> dict:
         torch.cuda.synchronize()
     step_s = time.perf_counter() - t0
     return {"loss": float(loss.detach()), "lr": sched.get_last_lr()[0], "step_s": step_s,
-            "comm_s": min(BLOCKED[0], step_s), **_record(built.stats)}
+            "comm_s": min(BLOCKED[0], step_s), **_record(built.stats),
+            **(_record(fsdp.intra, "intra_") if fsdp is not None else {})}
 
 
 def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path: str | None,
@@ -94,7 +108,12 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
     train_ids, val_ids = load_corpus(data_path, cfg.vocab_size)
     device = _device()
     model = build_model(cfg).to(device)
-    built = get_optimizer(optimizer).build(model, cfg, lr)
+    tiers, fsdp = Tiers.of(cfg, world), None
+    if tiers is None:
+        built = get_optimizer(optimizer).build(model, cfg, lr)
+    else:
+        model, built, fsdp = setup(tiers, model, get_optimizer(optimizer), cfg, lr, device)
+    inter_steps = []                                # this rank's (payload, sent, received) per step
     sched = torch.optim.lr_scheduler.LambdaLR(built.optimizer, lambda s: lr_factor(s, cfg))
     starts = val_starts(val_ids, cfg)
     log = open(log_path, "w") if (rank == 0 and log_path) else None
@@ -104,19 +123,33 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
         _write(log, {"kind": "eval", "step": 0, "val_loss": val})
         for step in range(1, cfg.steps + 1):
             x, y = (t.to(device) for t in train_batch(train_ids, cfg, step - 1, rank, world))
-            rec = _timed_step(built, sched, x, y)
+            rec = _timed_step(built, sched, x, y, fsdp)
+            inter_steps.append((rec["payload_bytes"], rec["link_bytes_sent"], rec["link_bytes_received"]))
             _write(log, {"kind": "step", "step": step, **rec})
             bar.update(step, rec["loss"], built.stats.payload_bytes)
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 val = evaluate(model, val_ids, starts, cfg, rank, world)
                 _write(log, {"kind": "eval", "step": step, "val_loss": val})
                 bar.note(val)
-        _write(log, {"kind": "final", "comm_stats": built.stats.state_dict(), "val_loss": val,
-                     "n_params": sum(p.numel() for p in model.parameters())})
+        state_bytes = optimizer_state_bytes(built.optimizer)
+        final = {"kind": "final", "comm_stats": built.stats.state_dict(), "val_loss": val,
+                 "n_params": sum(p.numel() for p in model.parameters()), "optimizer_state_bytes": state_bytes}
+        if tiers is not None:
+            final["tiers"] = _gather_tiers(tiers, world, state_bytes, inter_steps)
+        _write(log, final)
     finally:
         bar.close()
         if log:
             log.close()
+
+
+def _gather_tiers(tiers: Tiers, world: int, state_bytes: int, inter_steps: list) -> dict:
+    """Every rank's optimizer-state bytes and per-step inter-site bytes, gathered (uncounted)."""
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (state_bytes, inter_steps))
+    return {"sites": tiers.sites, "ranks_per_site": tiers.ranks_per_site,
+            "optimizer_state_bytes": [b for b, _ in everyone],
+            "site": site_sums([steps for _, steps in everyone], tiers)}
 
 
 def _write(log, record: dict) -> None:
