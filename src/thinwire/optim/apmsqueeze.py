@@ -36,6 +36,10 @@ resume on the same ranks continues bit-identically; see `error_resume` for anoth
 
     opt = APMSqueeze(model.parameters(), lr=1e-3, warmup_steps=total_steps // 5)
     loss.backward(); opt.step(); opt.zero_grad()     # no DDP gradient all-reduce
+
+Two tiers (FSDP2 shards, `process_group` = the group across sites): everything runs on this
+rank's shard (Adam moments, momentum, error buffers), and the 1-bit all-reduce compresses the
+flat vector of this rank's shards, with its per-chunk scales, across the sites.
 """
 
 from __future__ import annotations

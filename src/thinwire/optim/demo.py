@@ -24,6 +24,12 @@ mean-over-senders); a dimension with no divisor in [chunk/2, chunk] is zero-padd
 than chunked by 1; indices travel bit-packed and values in `values` precision; all
 parameters share one all-gather; the momentum lives in `self.state[p]['momentum']`.
 
+Two tiers (FSDP2 shards inside a site, `process_group` = the group across sites; see
+`thinwire.optim.shards`): M, T, top-k, the message and the sign step run on this rank's
+shard; each shard is chunked on its own, which gives the whole matrix's chunks when the
+shard's rows are a multiple of the chunk side (and padded chunks otherwise). base='muon'
+computes NS on the whole Δ, gathered over the site.
+
     opt = DeMo(model.parameters(), lr=3e-4, topk=32)
     loss.backward(); opt.step(); opt.zero_grad()     # no DDP gradient all-reduce
 """

@@ -9,6 +9,11 @@ thinwire optimizer. Several optimizers can share the all-reduce (e.g. torch.opti
 matrices and AdamW for the rest): pass a list. A rank without a gradient for a parameter
 that another rank has one for counts it as zero; a parameter with a gradient on no rank
 keeps `grad = None`, so the wrapped optimizer leaves it alone, as it would without us.
+
+Two tiers (FSDP2 shards, `process_group` = the group across sites): the all-reduce carries
+this rank's shard of every gradient across the sites, and the wrapped torch optimizers step
+the DTensor parameters as under FSDP2 alone (torch.optim.Muon's Newton–Schulz works on the
+whole matrix through DTensor operations). This is HSDP's traffic counted by our communicator.
 """
 
 from __future__ import annotations

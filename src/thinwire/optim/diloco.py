@@ -37,6 +37,10 @@ local step as on any local step, and the replicas next meet at the following syn
 The inner optimizer's groups are this object's groups (shared), so LR schedulers act on
 the inner learning rate. Between syncs replicas differ by design; right after each sync
 they are bit-identical.
+
+Two tiers (FSDP2 shards, `process_group` = the group across sites): the inner torch optimizer
+steps the DTensor parameters as it would under FSDP2 alone; Δ, θ₀, the outer step and the
+sync run on this rank's shard, exchanged with the ranks holding it in the other sites.
 """
 
 from __future__ import annotations

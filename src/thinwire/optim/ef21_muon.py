@@ -46,6 +46,12 @@ step is applied, so a flagged step changes no state. A parameter with a gradient
 does not move and keeps its state; one with a gradient on some ranks only counts ∇f_j = 0
 on the others.
 
+Two tiers (FSDP2 shards, `process_group` = the group across sites): M_j, G_j, G, X, the
+compressors and W ← W + S run on this rank's shard; the LMO is defined on the whole matrix,
+so 'spectral' and 'rms' gather G over the site and X takes its rows of the result ('sign' is
+elementwise, on the shard). Under topology='server' the ranks of site 0 are the servers of
+their shards.
+
     opt = EF21Muon(model.parameters(), lr=0.02, beta=0.05, uplink="topk:0.05+natural")
 """
 

@@ -32,6 +32,12 @@ Choices where the paper leaves room or differs from its code, stated:
     use full-rank AdamW on the clipped gradient, with the same local steps and sync.
   * rank > min(p, q) is clamped to min(p, q) with one warning per optimizer.
 
+Two tiers (FSDP2 shards, `process_group` = the group across sites): E, θ₀ and the update run
+on this rank's rows; the clip's ‖G‖_F, mean(D) and the SVD refresh use the whole matrix
+(gathered or summed over the site); Q is whole on every rank; right side: ĝ and u, v are
+row-sharded with no communication; left side: ĝ = Σ_shards Q_sᵀ X_s is summed over the site
+and u, v hold this rank's share of its r rows (`low_rank_step_`).
+
 Not dense Adam even at rank = min(p, q), ω = 1, no clipping, K = 1: each rank runs Adam on
 its own gradient with its own moments and the parameters are then averaged, so the update
 is mean_m(u_m / D_m), not ū / D̄; and after the first sync Q is the SVD basis of Δ, in
