@@ -5,6 +5,7 @@ makes per step, derived by hand from the documented formats (not from the code's
       build(params_or_groups, **kw) -> optimizer    (params: tensors or param-group dicts;
                                                      kw: process_group for two-tier runs)
       every: steps between exchanges (1: every step; K: LoRDO/DiLoCo sync every K)
+      delay: steps between an exchange's start and its apply (1: overlap=True)
       payload(world, sizes) -> {tag: payload bytes this rank hands the collectives per exchange}
 
 Message formats (thinwire.optim.protocol): byte messages start with an 8-byte header and a
@@ -29,6 +30,7 @@ class Config(NamedTuple):
     build: Callable
     every: int
     payload: Callable
+    delay: int = 0
 
 
 def prefix(sizes) -> int:
@@ -80,6 +82,17 @@ REGISTRY: dict[str, Config] = {
     "ef21-replicated": Config(lambda ps, **kw: thinwire.EF21Muon(ps, lr=0.02, beta=0.3, uplink="identity+bf16",
                                                                  topology="replicated", **kw), 1,
                               lambda w, s: {"payload": prefix(s) + 2 * sum(s)}),
+    # overlap=True: each exchange applied by the next step() (its bytes still leave at its own step)
+    "demo-overlap": Config(lambda ps, **kw: thinwire.DeMo(ps, **DEMO, overlap=True, **kw), 1, None, 1),
+    "dense-adamw-overlap": Config(lambda ps, **kw: thinwire.DenseAllReduce(torch.optim.AdamW(ps, lr=1e-2),
+                                                                           overlap=True, **kw), 1,
+                                  lambda w, s: {"payload": dense_bytes(s, 4)}, 1),
+    "apmsqueeze-compressed-overlap": Config(lambda ps, **kw: thinwire.APMSqueeze(ps, lr=1e-2, warmup_steps=APM_WARMUP,
+                                                                                 overlap=True, **kw), 1,
+                                            lambda w, s: {"payload": onebit_bytes(w, s)}, 1),
+    "ef21-replicated-overlap": Config(lambda ps, **kw: thinwire.EF21Muon(ps, lr=0.02, beta=0.3, uplink="identity+bf16",
+                                                                         topology="replicated", overlap=True, **kw),
+                                      1, lambda w, s: {"payload": prefix(s) + 2 * sum(s)}, 1),
     "lordo": Config(lambda ps, **kw: thinwire.LoRDO(ps, lr=1e-2, rank=4, sync_every=SYNC_EVERY, **kw), SYNC_EVERY,
                     lambda w, s: {"payload": dense_bytes(s, 4)}),
     "diloco": Config(lambda ps, **kw: thinwire.DiLoCo(ps, inner=lambda q: torch.optim.AdamW(q, lr=1e-2),

@@ -46,18 +46,23 @@ def flat(model) -> torch.Tensor:
 
 def _checkpoint(model, opt) -> dict:
     blob = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, blob)
+    opt_state = opt.state_dict()              # first: it applies an exchange still in flight
+    torch.save({"model": model.state_dict(), "opt": opt_state}, blob)
     blob.seek(0)
     return torch.load(blob, weights_only=False)
 
 
 def case_run(name, rank, dtype=torch.float32):
-    """Uninterrupted run, and one checkpointed at RESUME_AT and resumed into fresh objects."""
+    """A run that takes a state_dict at RESUME_AT and goes on (state_dict() flushes an
+    overlapped exchange, so the run continues from exactly what it saved), and one resumed
+    from that checkpoint into fresh objects."""
     build = REGISTRY[name].build
     model = problem.make_model().to(dtype)
     opt = build(list(model.parameters()))
     before = problem.eval_loss(model.float()) if dtype == torch.float32 else None
-    log = train(opt, model, rank, 0, STEPS)
+    log = train(opt, model, rank, 0, RESUME_AT)
+    opt.state_dict()
+    log += train(opt, model, rank, RESUME_AT, STEPS)
     first = problem.make_model().to(dtype)
     first_opt = build(list(first.parameters()))
     train(first_opt, first, rank, 0, RESUME_AT)
@@ -126,7 +131,7 @@ def case_closure(name, rank):
     with torch.no_grad():
         expected = float(problem.loss_on(model, x, y))
     start = flat(model)
-    got = [float(opt.step(closure).detach()) for _ in range(REGISTRY[name].every)]
+    got = [float(opt.step(closure).detach()) for _ in range(REGISTRY[name].every + REGISTRY[name].delay)]
     return {"loss": got[0], "expected": expected, "moved": not torch.equal(flat(model), start)}
 
 

@@ -131,6 +131,8 @@ class APMSqueeze(CommunicatingOptimizer):
             or rank: 'exact' (default) raises ValueError; 'reset' zeroes them with a warning.
         nonfinite: 'raise' (default) or 'skip' when any rank's gradients are not finite; in
             both cases no parameter moves that step, on any rank, and no state changes.
+        overlap: False (default) blocks in step() until the exchange completes; True leaves it
+            in flight until the next step() (one step of staleness; `thinwire.optim.base`).
         process_group: torch.distributed group (default: world; none needed for one process).
     A rank without a gradient for a parameter that another rank has one for counts it as
     zero; a parameter with a gradient on no rank does not move and keeps its state.
@@ -142,7 +144,8 @@ class APMSqueeze(CommunicatingOptimizer):
 
     def __init__(self, params, lr: float, warmup_steps: int, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, process_group=None, bias_correction: bool = True,
-                 mask_unseen: bool = True, error_resume: str = "exact", nonfinite: str = "raise"):
+                 mask_unseen: bool = True, error_resume: str = "exact", nonfinite: str = "raise",
+                 overlap: bool = False):
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"warmup_steps must be an integer >= 1, got {warmup_steps!r}: the compressed phase "
                              "divides by sqrt(v), which only warmup steps estimate (with none, v stays 0 and "
@@ -154,7 +157,7 @@ class APMSqueeze(CommunicatingOptimizer):
         super().__init__(params, defaults)
         self.warmup_steps, self.bias_correction, self.error_resume = warmup_steps, bool(bias_correction), error_resume
         self.mask_unseen = bool(mask_unseen)
-        self._init_comm(process_group, nonfinite)
+        self._init_comm(process_group, nonfinite, overlap)
         self.worker_error: torch.Tensor | None = None    # [N] float32, this rank's δ_i
         self.server_error: torch.Tensor | None = None    # [N / W] float32, this rank's chunk's δ̄
         self._dense: ReduceAll | None = None             # the warmup's exchange (dropped after it)

@@ -20,6 +20,16 @@ What the algorithm supplies: `_describe(layout)` (what every rank must share),
 `_apply(step, layout, delivery)`, and optionally `_local_views(p)` (state of p kept outside
 self.state[p]) and `_presence(layout)`.
 
+Overlap (`overlap=True`, optimizers that exchange every step): `step()` first finishes and
+applies the previous step's exchange, then encodes this step's message and leaves its
+exchange in flight while the caller runs the next forward and backward. Every gradient is
+thus taken one update late (at parameters that do not yet include the previous step's
+update), the same on every rank, so replicas stay bit-identical; the algorithm's state
+advances exactly as without overlap (apply of step t−1, then encode of step t). A flagged
+step is reported by the next `step()` call, which then starts nothing. `flush()` (and
+`state_dict()`, which calls it) applies the step in flight now, so a checkpoint holds no
+pending message and a resumed run continues exactly as the run that wrote it.
+
 Non-finite gradients, the same on every optimizer: on a flagged step no parameter moves and
 no state is committed by `_apply` on any rank; what a healthy rank's `_encode` folded into
 its local state (DeMo's momentum) stays there and is sent later. On a local step (no
@@ -73,8 +83,11 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
     where it stopped.
     """
 
-    def _init_comm(self, process_group, nonfinite: str = "raise") -> None:
+    def _init_comm(self, process_group, nonfinite: str = "raise", overlap: bool = False) -> None:
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {overlap!r}")
         self.nonfinite = check_nonfinite_policy(nonfinite)
+        self.overlap = overlap
         self.comm = Communicator(process_group)
         self._agreed: str | None = None          # the description all ranks last agreed on
         self._step = 0                           # steps taken (flagged ones included)
@@ -137,10 +150,15 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.comm.stats.begin_step()
-        self.start_step()
-        self.finish_step()
+        if self.overlap:                 # the previous step's exchange lands; this one's leaves
+            self.finish_step()
+            self.start_step()
+        else:
+            self.start_step()
+            self.finish_step()
         return loss
 
+    @torch.no_grad()
     def start_step(self) -> None:
         """This step's local update and message, and its exchange started (not waited for)."""
         if self._inflight is not None:
@@ -168,6 +186,7 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
         exchange.start()
         self._inflight = (step, layout, exchange, snapshot)
 
+    @torch.no_grad()
     def finish_step(self) -> None:
         """Complete the exchange started by start_step() and apply it (or raise / skip)."""
         if self._inflight is None:

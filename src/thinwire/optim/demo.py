@@ -151,6 +151,8 @@ class DeMo(CommunicatingOptimizer):
         nonfinite: 'raise' (default) or 'skip' when any rank's gradients are not finite; in
             both cases no parameter moves that step, on any rank, and healthy ranks keep the
             step's gradient in their momentum (to be sent later).
+        overlap: False (default) blocks in step() until the exchange completes; True leaves it
+            in flight until the next step() (one step of staleness; `thinwire.optim.base`).
         process_group: torch.distributed group (default: world; none needed for one process).
     A rank without a gradient for a parameter that another rank has one for counts it as
     zero (its momentum decays); a parameter with a gradient on no rank does not move.
@@ -159,13 +161,13 @@ class DeMo(CommunicatingOptimizer):
     def __init__(self, params, lr: float = 1e-3, beta: float = 0.999, alpha: float = 1.0, topk: int = 32,
                  chunk: int = 64, transform: str = "dct", base: str = "signum", weight_decay: float = 0.0,
                  values: str = "bf16", aggregate: str = "mean", momentum_domain: str = "auto", seed: int = 0,
-                 nonfinite: str = "raise", momentum_form: str = "ema", process_group=None):
+                 nonfinite: str = "raise", momentum_form: str = "ema", process_group=None, overlap: bool = False):
         defaults = dict(lr=lr, beta=beta, alpha=alpha, topk=topk, chunk=chunk, transform=transform, base=base,
                         weight_decay=weight_decay, values=values, aggregate=aggregate,
                         momentum_domain=momentum_domain, momentum_form=momentum_form, seed=seed)
         _check_group(defaults)
         super().__init__(params, defaults)
-        self._init_comm(process_group, nonfinite)
+        self._init_comm(process_group, nonfinite, overlap)
         self._compressors: dict[tuple, ChunkedTopK] = {}
         self._message = GatherAll(self.comm)
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None   # reused transform scratch

@@ -33,12 +33,16 @@ class DenseAllReduce(CommunicatingOptimizer):
     """Wraps torch optimizers; their param groups and state are this object's own (shared),
     so LR schedulers and `state_dict()` work on it as on the wrapped optimizer.
 
+    overlap=True: step() applies the previous step's mean gradient and leaves this step's
+    all-reduce in flight (`thinwire.optim.base`); the wrapped optimizers then see the mean
+    as `.grad` only during their step, and the caller's gradients are left in place.
     nonfinite: 'raise' (default) or 'skip' when any rank's gradients (or their sum) are not
     finite; every rank decides on the same reduced trailer, so they raise or skip together.
     """
 
     def __init__(self, optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-                 grad_dtype: torch.dtype = torch.float32, nonfinite: str = "raise", process_group=None):
+                 grad_dtype: torch.dtype = torch.float32, nonfinite: str = "raise", process_group=None,
+                 overlap: bool = False):
         inner = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
         if not inner or not all(isinstance(o, torch.optim.Optimizer) for o in inner):
             raise ValueError("optimizers must be a torch.optim.Optimizer or a non-empty list of them")
@@ -50,7 +54,7 @@ class DenseAllReduce(CommunicatingOptimizer):
         self._sharing = True                 # torch's __init__ adds the shared groups through add_param_group
         super().__init__([g for o in inner for g in o.param_groups], {})
         self._sharing = False
-        self._init_comm(process_group, nonfinite)
+        self._init_comm(process_group, nonfinite, overlap)
         self._message = ReduceAll(self.comm)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -89,6 +93,8 @@ class DenseAllReduce(CommunicatingOptimizer):
 
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         """Every parameter with a gradient somewhere gets the mean; then the wrapped steps."""
+        if self.overlap:
+            return self._apply_beside(layout, delivery)
         mean, offset = delivery.data, 0
         for (_, p, key), anywhere in zip(layout, delivery.present.tolist()):
             part = mean[offset: offset + p.numel()].view(p.shape)
@@ -101,3 +107,22 @@ class DenseAllReduce(CommunicatingOptimizer):
                 p.grad.copy_(part)
         for o in self.optimizers:
             o.step()
+
+    def _apply_beside(self, layout: list[Member], delivery) -> None:
+        """Overlap: the caller's gradients already belong to the next step, so the wrapped
+        optimizers step on the mean as `.grad` (None where no rank had one), and each
+        parameter's own gradient is put back afterwards."""
+        mean, offset, kept = delivery.data, 0, []
+        for (_, p, key), anywhere in zip(layout, delivery.present.tolist()):
+            part = mean[offset: offset + p.numel()].view(p.shape)
+            offset += p.numel()
+            kept.append((key, key.grad))
+            key.grad = None
+            if anywhere:
+                set_grad(key, part.to(p.dtype))
+        try:
+            for o in self.optimizers:
+                o.step()
+        finally:
+            for key, grad in kept:
+                key.grad = grad

@@ -229,6 +229,8 @@ class EF21Muon(CommunicatingOptimizer):
             worker messages. topology: 'server' | 'replicated'. seed: randomised compressors.
         nonfinite: 'raise' (default) or 'skip' when any rank's gradients are not finite; no
             state changes on any rank in that step either way.
+        overlap: False (default) blocks in step() until the exchange completes; True leaves it
+            in flight until the next step() (one step of staleness; `thinwire.optim.base`).
         process_group: torch.distributed group (default: world; none needed for one process).
     State per parameter: momentum (M_j), estimate (G_j); where the server runs,
     server_estimate (G) and server_model (X). Resume with the same topology (under 'server'
@@ -240,7 +242,7 @@ class EF21Muon(CommunicatingOptimizer):
 
     def __init__(self, params, lr: float = 0.02, beta: float = 0.05, lmo: str = "auto", weight_decay: float = 0.0,
                  uplink="topk:0.05", downlink="identity", topology: str = "server", seed: int = 0,
-                 nonfinite: str = "raise", process_group=None):
+                 nonfinite: str = "raise", process_group=None, overlap: bool = False):
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -251,7 +253,7 @@ class EF21Muon(CommunicatingOptimizer):
         defaults = dict(lr=lr, beta=beta, lmo=lmo, weight_decay=weight_decay)
         _check_group(defaults)
         super().__init__(params, defaults)
-        self._init_comm(process_group, nonfinite)
+        self._init_comm(process_group, nonfinite, overlap)
         if topology == "replicated":
             self._link = GatherAll(self.comm)
         else:
