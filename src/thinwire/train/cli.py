@@ -14,9 +14,9 @@ import sys
 
 DEFAULT_COMPARE = "adamw,powersgd,demo"
 _OVERRIDES = ("workers", "sites", "n_layer", "n_embd", "n_head", "context", "vocab_size", "rows", "steps", "eval_every",
-              "eval_rows", "seed", "lr", "topk", "chunk", "alpha", "beta", "rank", "values", "compressed_after",
+              "eval_rows", "seed", "lr", "topk", "chunk", "alpha", "beta", "momentum_form", "rank", "values", "compressed_after",
               "uplink", "sync_every", "lowrank")
-_FLOATS, _STRINGS = ("lr", "alpha", "beta", "compressed_after"), ("values", "uplink")
+_FLOATS, _STRINGS = ("lr", "alpha", "beta", "compressed_after"), ("values", "uplink", "momentum_form")
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:

@@ -105,7 +105,8 @@ def _muon(model, cfg, lr, group=None):
 
 def _demo(model, cfg, lr, group=None):
     return _wrap(DeMo(model.parameters(), lr=lr, topk=cfg.topk, chunk=cfg.chunk, alpha=cfg.alpha,
-                      beta=cfg.beta, values=cfg.values, weight_decay=0.0, process_group=group), model)
+                      beta=cfg.beta, values=cfg.values, momentum_form=cfg.momentum_form, weight_decay=0.0,
+                      process_group=group), model)
 
 
 def _apmsqueeze(model, cfg, lr, group=None):
