@@ -1,9 +1,11 @@
-"""One contract every thinwire optimizer passes, run inside real gloo workers.
+"""A per-file contract run, for optimizer options the shared registry (registry.py, checked
+by suite.py / test_suite.py) does not cover; run inside real gloo workers.
 
 `run_contract(rank, world, configs)` trains each config on the shared problem and returns,
 per config: final parameters (for cross-rank bit comparison), the parameters of a run that
 was checkpointed mid-way and resumed into fresh objects, per-step byte counters, and the
-loss before and after. The pytest side (test_contract.py) asserts on them.
+loss before and after. test_apmsqueeze.py, test_ef21_muon.py, test_lordo.py and
+test_diloco.py assert on them with the helpers below.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import traceback
 import pytest
 import torch
 
-import thinwire
 from tests.dist import run_workers
 from tests.optim import problem
 
@@ -22,25 +23,9 @@ STEPS, RESUME_AT = 50, 25
 
 
 def build(config: dict, model: torch.nn.Module):
-    """The optimizer a config names: config["factory"](params, **kwargs) (any module-level
-    function, so other optimizers' test files can bring their own), or a built-in kind."""
-    kwargs = dict(config.get("kwargs", {}))
-    params = list(model.parameters())
-    if "factory" in config:
-        return config["factory"](params, **kwargs)
-    kind = config["kind"]
-    if kind == "demo":
-        return thinwire.DeMo(params, **kwargs)
-    if kind == "dense-adamw":
-        return thinwire.DenseAllReduce(torch.optim.AdamW(params, lr=1e-2), **kwargs)
-    if kind == "dense-sgd":
-        return thinwire.DenseAllReduce(torch.optim.SGD(params, lr=0.05, momentum=0.9), **kwargs)
-    if kind == "dense-muon":
-        matrices = [p for p in params if p.dim() == 2]
-        others = [p for p in params if p.dim() != 2]
-        return thinwire.DenseAllReduce([torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(others, lr=1e-2)],
-                                       **kwargs)
-    raise ValueError(f"unknown config kind {kind!r}")
+    """The optimizer a config names: config["factory"](params, **config["kwargs"]), a
+    module-level function (workers are spawned: it must pickle)."""
+    return config["factory"](list(model.parameters()), **config.get("kwargs", {}))
 
 
 def train(config: dict, rank: int, start: int, stop: int, model=None, opt=None):

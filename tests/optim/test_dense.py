@@ -7,23 +7,27 @@ import thinwire
 from tests.dist import run_workers
 
 
-def _one_sgd_step(rank, world, grad_dtype):
-    p = torch.nn.Parameter(torch.zeros(5))
-    opt = thinwire.DenseAllReduce(torch.optim.SGD([p], lr=1.0), grad_dtype=grad_dtype)
-    p.grad = torch.full((5,), float(rank + 1))
-    opt.step()
-    return p.detach().clone(), opt.comm_stats.by_tag["payload"].as_dict()
+def _one_sgd_step(rank, world):
+    """One SGD step per gradient dtype, both in one spawn (a spawn costs seconds of start-up)."""
+    out = {}
+    for grad_dtype in (torch.float32, torch.bfloat16):
+        p = torch.nn.Parameter(torch.zeros(5))
+        opt = thinwire.DenseAllReduce(torch.optim.SGD([p], lr=1.0), grad_dtype=grad_dtype)
+        p.grad = torch.full((5,), float(rank + 1))
+        opt.step()
+        out[grad_dtype] = p.detach().clone(), opt.comm_stats.by_tag["payload"].as_dict()
+    return out
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_step_uses_mean_gradient(world, grad_dtype):
-    results = run_workers(_one_sgd_step, world, args=(grad_dtype,))
+def test_step_uses_mean_gradient(world):
+    results = run_workers(_one_sgd_step, world)
     mean = sum(range(1, world + 1)) / world
-    for params, counters in results:
-        assert torch.equal(params, torch.full((5,), -mean))
-        # 5 values and the trailer: 1 flag, 16 lockstep slots, 1 presence count (optim/protocol.py)
-        assert counters["payload_bytes"] == (5 + 1 + 16 + 1) * (4 if grad_dtype == torch.float32 else 2)
+    for by_dtype in results:
+        for grad_dtype, (params, counters) in by_dtype.items():
+            assert torch.equal(params, torch.full((5,), -mean))
+            # 5 values and the trailer: 1 flag, 16 lockstep slots, 1 presence count (optim/protocol.py)
+            assert counters["payload_bytes"] == (5 + 1 + 16 + 1) * (4 if grad_dtype == torch.float32 else 2)
 
 
 def test_lr_scheduler_on_wrapper_reaches_wrapped_optimizer_after_load():
