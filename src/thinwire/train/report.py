@@ -213,7 +213,9 @@ def _tiers_table(rows: list[dict]) -> str:
                  f"(optimizer comm stats; FSDP2's all-reduce); the site's link carries the sum over its ranks "
                  f"(busiest site), which modelled times use. Intra-site bytes are FSDP2's all-gathers and "
                  f"reduce-scatters, measured on rank 0. Compute = step time - time blocked in inter-site "
-                 f"collectives; link-free = the sum of compute up to the target.")
+                 f"collectives (rank 0); link-free = the sum of compute up to the target. Over a shaped link a "
+                 f"rank's wait inside its site for a site peer's inter-site transfer counts as compute, so both "
+                 f"are upper bounds there; a run without --link measures the link-free time directly.")
     return "\n".join(lines)
 
 
