@@ -217,13 +217,6 @@ def _snapshot(opt, params) -> dict:
             "worker_error": opt.worker_error.clone(), "server_error": opt.server_error.clone()}
 
 
-def mismatched_shapes(rank: int, world: int) -> str:
-    p = torch.nn.Parameter(torch.zeros(4, 4 + rank))
-    opt = APMSqueeze([p], lr=0.1, warmup_steps=1)
-    p.grad = torch.ones_like(p)
-    return _outcome(opt.step)
-
-
 def suite(rank: int, world: int, configs: dict) -> dict:
     """Everything a world size needs, in one spawn (each spawn costs seconds of start-up)."""
     torch.manual_seed(0)
@@ -233,6 +226,5 @@ def suite(rank: int, world: int, configs: dict) -> dict:
     out["absent"] = absent_run(rank, world)
     if world > 1:
         out["nonfinite"] = {policy: nonfinite_run(rank, world, policy) for policy in ("raise", "skip")}
-        out["mismatch"] = mismatched_shapes(rank, world)
     out["numel"] = sum(p.numel() for p in problem.make_model().parameters())
     return out

@@ -81,6 +81,8 @@ def train(opt, model, rank: int, start: int, stop: int) -> list:
         status, _ = outcome_of(opt.step)
         opt.zero_grad()
         log.append((status, {tag: c.as_dict() for tag, c in opt.comm_stats.by_tag.items()}))
+    if stop == STEPS:
+        opt.flush()                    # overlap: the last exchange lands (LoRDO/DiLoCo: the last sync)
     return log
 
 
@@ -169,6 +171,7 @@ def case_one_site(name: str, rank: int, mesh, alone) -> dict:
         (sum(losses) / len(losses)).backward()
         ref_opt.step()
         ref_opt.zero_grad()
+    ref_opt.flush()                                        # as train() does for the sharded run
     return {"sharded": flat_full(model), "reference": flat_local(reference)}
 
 

@@ -37,6 +37,8 @@ def train(opt, model, rank: int, start: int, stop: int, bad_step: int | None = N
             scheduler.step()
         after = opt.comm_stats.by_tag
         log.append((status, {tag: c.as_dict() for tag, c in after.items()}, before))
+    if stop == STEPS:
+        opt.flush()                    # overlap: the last exchange lands (LoRDO/DiLoCo: the last sync)
     return log
 
 
@@ -189,6 +191,7 @@ def case_non_contiguous(name, rank):
         net(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
+    opt.flush()
     end = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     return {"params": end, "moved": not torch.equal(end, start), "finite": bool(torch.isfinite(end).all())}
 

@@ -1,11 +1,15 @@
-"""overlap=True is the same algorithm fed gradients one update late, checked on 2 gloo ranks
-against that reference built by hand: the optimizer without overlap, skipping the first
-call, and at call t given the gradient taken at its own parameters of two calls before.
+"""overlap=True is the same algorithm with each exchange applied one call later, checked on
+2 gloo ranks against that reference built by hand from the optimizer without overlap.
 
-With overlap, call t applies the message of call t − 1, whose gradient was taken (by the
-backward before call t − 1) at the parameters left by call t − 2: P_t = P_{t−1} − U(ḡ(P_{t−2})),
-P_1 = P_0. The optimizer's state must advance as without overlap (apply t − 1, then encode
-t), so the two runs agree bit for bit.
+With overlap, call t finishes step t − 1's exchange and then starts step t, so the state
+advances exactly as without overlap (start t − 1, finish t − 1, start t, ...); what differs
+is where the caller's gradient is taken: at the parameters as start_step() of the previous
+call left them, before its exchange was applied. The reference runs the optimizer without
+overlap through start_step()/finish_step(), takes each gradient at a copy of the parameters
+made between the two calls of the previous step, and must agree bit for bit. For optimizers
+exchanging every step that is the gradient at the parameters of two calls before; for
+LoRDO and DiLoCo, whose local steps are not delayed, only the gradient after a sync is taken
+at the pre-sync parameters.
 """
 
 from __future__ import annotations
@@ -30,27 +34,28 @@ def _overlapped(name: str, rank: int) -> torch.Tensor:
         problem.loss_on(model, *problem.batch(rank, step)).backward()
         opt.step()
         opt.zero_grad()
+    opt.flush()
     return problem.flat_params(model)
 
 
-def _stale_reference(name: str, rank: int) -> torch.Tensor:
+def _late_gradient_reference(name: str, rank: int) -> torch.Tensor:
     model = problem.make_model()
     opt = REGISTRY[PAIRS[name]].build(list(model.parameters()))
-    history = [copy.deepcopy(model), copy.deepcopy(model)]        # P_0 and P_1 = P_0
-    for step in range(1, STEPS):                                   # call 0 applies nothing
-        lagged = history[-2]                                       # P_{t−2}
-        lagged.zero_grad()
-        problem.loss_on(lagged, *problem.batch(rank, step - 1)).backward()
-        for p, q in zip(model.parameters(), lagged.parameters()):
+    seen = copy.deepcopy(model)                  # the parameters the overlapped caller sees
+    for step in range(STEPS):
+        seen.zero_grad()
+        problem.loss_on(seen, *problem.batch(rank, step)).backward()
+        for p, q in zip(model.parameters(), seen.parameters()):
             p.grad = q.grad.clone()
-        opt.step()
+        opt.start_step()
+        seen = copy.deepcopy(model)              # this step started, its exchange not yet applied
+        opt.finish_step()
         opt.zero_grad()
-        history.append(copy.deepcopy(model))
     return problem.flat_params(model)
 
 
 def _both(rank: int, world: int) -> dict:
-    return {name: (_overlapped(name, rank), _stale_reference(name, rank)) for name in PAIRS}
+    return {name: (_overlapped(name, rank), _late_gradient_reference(name, rank)) for name in PAIRS}
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +64,7 @@ def runs():
 
 
 @pytest.mark.parametrize("name", sorted(PAIRS))
-def test_overlap_is_the_algorithm_on_gradients_one_update_late(runs, name):
+def test_overlap_is_the_algorithm_with_each_exchange_applied_a_call_later(runs, name):
     for per_rank in runs:
         overlapped, reference = per_rank[name]
         assert torch.equal(overlapped, reference)

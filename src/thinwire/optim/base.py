@@ -26,7 +26,8 @@ exchange in flight while the caller runs the next forward and backward. Every gr
 thus taken one update late (at parameters that do not yet include the previous step's
 update), the same on every rank, so replicas stay bit-identical; the algorithm's state
 advances exactly as without overlap (apply of step t−1, then encode of step t). A flagged
-step is reported by the next `step()` call, which then starts nothing. `flush()` (and
+step is reported by the next `step()` call, which still sends its own step before raising,
+so only the flagged step is lost, as without overlap. `flush()` (and
 `state_dict()`, which calls it) applies the step in flight now, so a checkpoint holds no
 pending message and a resumed run continues exactly as the run that wrote it.
 
@@ -151,7 +152,11 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.comm.stats.begin_step()
         if self.overlap:                 # the previous step's exchange lands; this one's leaves
-            self.finish_step()
+            try:
+                self.finish_step()
+            except NonFiniteGradientError:
+                self.start_step()        # every call is a step: only the flagged one is lost
+                raise
             self.start_step()
         else:
             self.start_step()

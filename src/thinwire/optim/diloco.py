@@ -38,6 +38,13 @@ The inner optimizer's groups are this object's groups (shared), so LR schedulers
 the inner learning rate. Between syncs replicas differ by design; right after each sync
 they are bit-identical.
 
+Overlap (`overlap=True`): a sync's exchange leaves at its step and is applied at the start of
+the next `step()` (θ₀ ← outer(θ₀, Δ̄); θ ← θ₀), before that step's local update, which uses
+the gradient the caller took at the pre-sync parameters: streaming DiLoCo's delayed outer
+step with a delay of one step. Nothing is discarded and no correction is needed: the one
+local step taken across the delay is the next step's, applied after the average (torchft's
+delay instead restores the pre-sync parameters and drops the local steps made meanwhile).
+
 Two tiers (FSDP2 shards, `process_group` = the group across sites): the inner torch optimizer
 steps the DTensor parameters as it would under FSDP2 alone; Δ, θ₀, the outer step and the
 sync run on this rank's shard, exchanged with the ranks holding it in the other sites.
@@ -116,11 +123,11 @@ class PeriodicAveraging(CommunicatingOptimizer):
     kind = "periodic-averaging"
 
     def _init_sync(self, process_group, nonfinite: str, sync_every: int, outer_lr: float,
-                   outer_momentum: float, wire: str) -> None:
+                   outer_momentum: float, wire: str, overlap: bool = False) -> None:
         self.sync_every = check_sync_every(sync_every)
         check_outer(outer_lr, outer_momentum)
         self.outer_lr, self.outer_momentum, self.wire = outer_lr, outer_momentum, check_wire(wire)
-        self._init_comm(process_group, nonfinite)
+        self._init_comm(process_group, nonfinite, overlap)
         self.codec = None if wire == "fp32" else DeltaCodec(wire)
         self._message = ReduceAll(self.comm) if self.codec is None else GatherAll(self.comm)
         self._x = self._unsent = None       # lossy wires: x = Δ + e, and x − decoded(x) until applied
@@ -217,13 +224,16 @@ class DiLoCo(PeriodicAveraging):
         wire: 'fp32' (default) | 'bf16' | 'int8' for the pseudo-gradient, with error feedback.
         nonfinite: 'raise' (default) or 'skip' when any rank's gradients are not finite; see
             the module docstring.
+        overlap: True leaves each sync's exchange in flight until the next step() (the
+            module docstring's delayed outer step).
     Initial parameters must be identical on all ranks (as with DDP's broadcast).
     """
 
     kind = "diloco"
 
     def __init__(self, params, inner=None, sync_every: int = 32, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, wire: str = "fp32", nonfinite: str = "raise", process_group=None):
+                 outer_momentum: float = 0.9, wire: str = "fp32", nonfinite: str = "raise", process_group=None,
+                 overlap: bool = False):
         check_sync_every(sync_every)
         check_outer(outer_lr, outer_momentum)
         check_wire(wire)
@@ -233,7 +243,7 @@ class DiLoCo(PeriodicAveraging):
         self._sharing = True             # torch's __init__ adds the shared groups through add_param_group
         super().__init__(self.inner.param_groups, {})    # shared group dicts: schedulers reach inner
         self._sharing = False
-        self._init_sync(process_group, nonfinite, sync_every, outer_lr, outer_momentum, wire)
+        self._init_sync(process_group, nonfinite, sync_every, outer_lr, outer_momentum, wire, overlap)
 
     def _local_step(self, step: int, layout: list[Member]) -> None:
         # θ ← inner.step(θ)   (torch optimizers skip parameters without a gradient)

@@ -198,6 +198,8 @@ class LoRDO(PeriodicAveraging):
             the defaults 1.0 and 0.0 are plain averaging.
         nonfinite: 'raise' (default) or 'skip' when any rank's gradients are not finite
             (see `thinwire.optim.diloco`).
+        overlap: True leaves each sync's exchange in flight until the next step(), which
+            applies it before its local step (`thinwire.optim.diloco`, "Overlap").
     Initial parameters must be identical on all ranks (as with DDP's broadcast).
     State per parameter: 'step', 'exp_avg', 'exp_avg_sq' (float32), for low-rank ones 'Q'
     and 'error' (float32, p × rest), and the sync's 'anchor' etc. (`PeriodicAveraging`).
@@ -208,12 +210,13 @@ class LoRDO(PeriodicAveraging):
     def __init__(self, params, lr: float = 1e-3, rank: int = 256, sync_every: int = 32, omega: float = 0.97,
                  clip: float | None = 1.0, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  process_group=None, *, low_rank: bool | None = None, error_feedback: bool = True,
-                 wire: str = "fp32", outer_lr: float = 1.0, outer_momentum: float = 0.0, nonfinite: str = "raise"):
+                 wire: str = "fp32", outer_lr: float = 1.0, outer_momentum: float = 0.0, nonfinite: str = "raise",
+                 overlap: bool = False):
         defaults = dict(lr=lr, rank=rank, omega=omega, clip=clip, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, low_rank=low_rank, error_feedback=error_feedback)
         _check_group(defaults)
         super().__init__(params, defaults)
-        self._init_sync(process_group, nonfinite, sync_every, outer_lr, outer_momentum, wire)
+        self._init_sync(process_group, nonfinite, sync_every, outer_lr, outer_momentum, wire, overlap)
         self._warned = False
 
     def add_param_group(self, param_group: dict) -> None:
