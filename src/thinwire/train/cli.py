@@ -113,7 +113,7 @@ def torchrun_main(argv=None) -> None:
             check_sites(cfg.sites, world)
         except ValueError as err:
             raise SystemExit(f"thinwire: error: {err}") from None
-        if local and world // cfg.sites != local:
+        if local and world // cfg.sites != local and os.environ["RANK"] == "0":
             print(f"thinwire: warning: --sites {cfg.sites} puts {world // cfg.sites} ranks in a site but torchrun "
                   f"runs {local} per node; use --sites {world // local} (= --nnodes) to make each node a site",
                   file=sys.stderr)
