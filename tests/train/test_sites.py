@@ -1,7 +1,7 @@
 """`--sites`: two tiers on real gloo processes. One `thinwire compare` of HSDP AdamW and DeMo
 on the tiny preset with 4 workers as 2 sites x 2 ranks, and the same with --sites 4 (one rank
 per site: the flat path) for reference; then the user errors, which come before any worker
-starts, and the helpers (optimizer-state bytes, site sums, modelled time over a site's link)."""
+starts (PowerSGD's DDP hook), and the helpers (optimizer-state bytes, site sums, modelled time over a site's link)."""
 
 import json
 import math
@@ -131,7 +131,6 @@ def test_demo_trains_and_sends_far_less_across_sites(runs):
     (["--sites", "3"], "--sites must be a divisor of --workers (4)"),
     (["--sites", "8"], "--sites must be a divisor of --workers (4)"),
     (["--sites", "-1"], "sites must be >= 0"),
-    (["--sites", "2", "--optimizers", "muon"], "muon cannot run on FSDP2 shards"),
 ])
 def test_bad_sites_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -146,6 +145,7 @@ def test_powersgd_refused_before_any_worker_starts(tmp_path, capsys):
     assert "powersgd is PyTorch's DDP communication hook" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())                      # adamw, listed first, never ran
     check_run(get_preset("tiny", sites=4), ["powersgd"], 4, None)      # one rank per site: flat, allowed
+    check_run(get_preset("tiny", sites=2), ["muon", "ef21-muon", "lordo"], 4, None)   # they run on shards
 
 
 def test_optimizer_state_bytes_include_wrapped_optimizers():

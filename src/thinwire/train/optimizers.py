@@ -16,8 +16,8 @@ Dense baselines send fp32 gradients (DenseAllReduce's default); the table says s
 Under `--sites` with several ranks per site (train/sites.py) a thinwire optimizer
 (`on_shards`) is built on the model's FSDP2 shards with `group` = the process group across
 sites; a dense baseline with an `hsdp` factory becomes the plain torch optimizer under FSDP2
-HSDP; the others (Muon's whole-matrix step, PowerSGD's DDP hook) are refused before any
-worker starts.
+HSDP (Muon, without one, is DenseAllReduce on the shards); PowerSGD's DDP hook is refused
+before any worker starts.
 """
 
 from __future__ import annotations
@@ -174,7 +174,8 @@ register(OptimizerSpec("adamw", _adamw, {"tiny": 3e-3, "small": 1e-3, "base": 1e
 register(OptimizerSpec("adam", _adam, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 3e-4, "sites": 3e-4}, dense=True,
                        description="dense fp32 all-reduce + Adam", counterpart="adam", hsdp=_torch_adam))
 register(OptimizerSpec("muon", _muon, {"tiny": 3e-3, "small": 1e-2, "base": 1e-2}, dense=True,
-                       description="dense fp32 all-reduce + Muon (AdamW for non-matrices)", counterpart="muon"))
+                       description="dense fp32 all-reduce + Muon (AdamW for non-matrices)", counterpart="muon",
+                       on_shards=True))
 register(OptimizerSpec("powersgd", _powersgd, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 3e-4, "sites": 3e-4},
                        description="PyTorch DDP PowerSGD hook (rank 4) + AdamW"))
 register(OptimizerSpec("demo", _demo, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 4e-4, "sites": 4e-4},

@@ -14,7 +14,11 @@ numbers them (node-major), so one node is one site. Inside every worker:
     optimizer on the DTensor shards with `process_group=mesh["site"].get_group()`;
   * a dense baseline (AdamW, Adam) is what a user would run: FSDP2 HSDP on the 2-D mesh
     (parameters Replicate over "site", Shard over "shard"; the gradient reduce-scattered in
-    the site and all-reduced across sites) with the plain torch optimizer.
+    the site and all-reduced across sites) with the plain torch optimizer. Dense Muon is
+    DenseAllReduce around torch's Muon on the 1-D shards (HSDP's traffic, all-reduced by
+    thinwire's communicator): under HSDP's 2-D placements its Newton–Schulz would make
+    DTensor all-reduce across sites itself, uncounted; on 1-D shards DTensor's gathers stay
+    inside the site.
 
 Bytes, by tier, all measured (`count_fsdp_collectives`): FSDP2 issues its collectives
 through the `dist` name of `torch.distributed.fsdp._fully_shard._fsdp_collectives`; that
@@ -75,8 +79,7 @@ def why_not_on_shards(spec) -> str | None:
     if spec.name == "powersgd":
         return ("powersgd is PyTorch's DDP communication hook, which all-reduces whole gradients of an "
                 "unsharded model; it cannot run on FSDP2 shards")
-    return (f"{spec.name} cannot run on FSDP2 shards in the harness (torch's optimizer would gather whole "
-            f"matrices through DTensor's own, uncounted collectives, across sites too)")
+    return f"{spec.name} cannot run on FSDP2 shards"
 
 
 def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
