@@ -39,7 +39,9 @@ def run(tmp_path_factory):
 
 
 def test_every_registered_optimizer_is_compared():
-    assert set(OPTIMIZERS) == set(NAMES) | {"powersgd", "demo"}       # those two: test_cli.py
+    overlap = {f"{n}-overlap" for n in ("demo", "ef21-muon", "apmsqueeze", "lordo", "diloco")}
+    others = {"powersgd", "demo", "adamw-allreduce", "adam-allreduce"}   # test_cli.py, test_overlap_harness.py
+    assert set(OPTIMIZERS) == set(NAMES) | others | overlap
 
 
 def test_each_trains(run):

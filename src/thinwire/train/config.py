@@ -47,6 +47,7 @@ class TrainConfig:
     uplink: str = "topk:0.44+int8"  # EF21-Muon: uplink compressor spec (replicated topology, no downlink)
     sync_every: int = 32         # LoRDO and DiLoCo: local steps between synchronisations
     lowrank: int = 0             # LoRDO: rank r of the projection (0: min(256, n_embd / 4))
+    overlap: bool = False        # thinwire optimizers: overlap=True (each step's exchange in flight during the next compute)
 
     @property
     def warmup_steps(self) -> int:
@@ -72,6 +73,8 @@ FIELD_HELP = {
     "uplink": "EF21-Muon: uplink compressor spec, e.g. topk:0.15+int8 or dct-topk:32+int8",
     "sync_every": "LoRDO and DiLoCo: local steps between synchronisations",
     "lowrank": "LoRDO: projection rank (0: width / 4, at most 256)",
+    "overlap": "thinwire optimizers: leave each step's exchange in flight while the next step computes "
+               "(overlap=True); refused for PowerSGD and the DDP baselines",
 }
 
 

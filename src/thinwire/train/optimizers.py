@@ -6,12 +6,24 @@
 Each entry has a factory and default learning rates per preset (from the sweep documented
 in docs/harness.md). A new optimizer is one `register(...)` call. Every factory returns
 the thing the training loop steps and the CommStats its bytes are counted in:
-  * thinwire optimizers (DeMo, DenseAllReduce around AdamW / Adam / Muon) count their own
-    bytes in `opt.comm_stats` and call `begin_step()` themselves;
+  * thinwire optimizers (DeMo, ..., DenseAllReduce around AdamW / Adam / Muon) count their
+    own bytes in `opt.comm_stats` and call `begin_step()` themselves;
+  * the dense AdamW / Adam baselines ("adamw", "adam") are torch DDP, as users run them:
+    DDP's bucketed all-reduce overlapped with backward, each bucket's bytes counted by a comm
+    hook that does not wait (train/ddp.py); their compute-only step time is measured before
+    training with communication off (`Built.calibrate`). DenseAllReduce around them stays
+    registered as "adamw-allreduce" / "adam-allreduce", the library's drop-in baseline;
   * PowerSGD is PyTorch's DDP communication hook; its collectives are counted exactly by
     `powersgd.count_ddp_hook_collectives`, and the loop calls `stats.begin_step()` before
     each backward (the hook communicates during backward).
-Dense baselines send fp32 gradients (DenseAllReduce's default); the table says so.
+Dense baselines send fp32 gradients (DenseAllReduce's default, DDP's buckets); the table says so.
+
+Overlap. `cfg.overlap` (`--overlap`) builds every thinwire optimizer with overlap=True (its
+exchange left in flight while the next step computes); "<name>-overlap" entries (demo-overlap,
+ef21-muon-overlap, apmsqueeze-overlap, lordo-overlap, diloco-overlap) build it with overlap
+whatever the flag, so one table can hold both. PowerSGD and the DDP baselines cannot take it
+(`OptimizerSpec.can_overlap` False; run.check_run refuses them with one line): DDP overlaps
+its all-reduce with backward by itself.
 
 Under `--sites` with several ranks per site (train/sites.py) a thinwire optimizer
 (`on_shards`) is built on the model's FSDP2 shards with `group` = the process group across
@@ -22,7 +34,7 @@ before any worker starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -37,6 +49,7 @@ class Built:
     model: torch.nn.Module                 # what the loop calls forward on (DDP for PowerSGD)
     stats: CommStats
     counts_itself: bool = True             # False: the loop calls stats.begin_step()
+    calibrate: Callable | None = None      # batches -> compute-only s/step (DDP; train/ddp.py)
 
 
 @dataclass
@@ -49,6 +62,8 @@ class OptimizerSpec:
     counterpart: str = "adamw"             # the dense baseline it compresses (its bytes ratio)
     hsdp: Callable | None = None           # dense: (params, cfg, lr) -> the torch optimizer under HSDP
     on_shards: bool = False                # a thinwire optimizer that runs on FSDP2 shards (group=)
+    can_overlap: bool = True               # takes overlap=True (--overlap): thinwire optimizers
+    overlap: bool = False                  # an "<name>-overlap" entry: always built with overlap=True
 
     def lr_for(self, preset: str) -> float:
         return self.default_lr.get(preset, self.default_lr["small"])
@@ -71,6 +86,10 @@ def _wrap(opt: torch.optim.Optimizer, model: torch.nn.Module) -> Built:
     return Built(opt, model, opt.comm_stats)
 
 
+def _ov(cfg) -> bool:
+    return bool(getattr(cfg, "overlap", False))
+
+
 def _torch_adamw(params, cfg, lr):
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -79,12 +98,24 @@ def _torch_adam(params, cfg, lr):
     return torch.optim.Adam(params, lr=lr, betas=(0.9, 0.95))
 
 
-def _adamw(model, cfg, lr, group=None):
-    return _wrap(DenseAllReduce(_torch_adamw(model.parameters(), cfg, lr), process_group=group), model)
+def _ddp(torch_opt):
+    def build(model, cfg, lr, group=None):
+        from .ddp import compute_only_step_s, ddp_dense
+        ddp, stats = ddp_dense(model, process_group=group)
+        opt = torch_opt(ddp.parameters(), cfg, lr)
+        return Built(opt, ddp, stats, counts_itself=False,
+                     calibrate=lambda batches: compute_only_step_s(ddp, opt, batches))
+    return build
 
 
-def _adam(model, cfg, lr, group=None):
-    return _wrap(DenseAllReduce(_torch_adam(model.parameters(), cfg, lr), process_group=group), model)
+def _adamw_allreduce(model, cfg, lr, group=None):
+    return _wrap(DenseAllReduce(_torch_adamw(model.parameters(), cfg, lr), process_group=group, overlap=_ov(cfg)),
+                 model)
+
+
+def _adam_allreduce(model, cfg, lr, group=None):
+    return _wrap(DenseAllReduce(_torch_adam(model.parameters(), cfg, lr), process_group=group, overlap=_ov(cfg)),
+                 model)
 
 
 def _split(model) -> tuple[list, list]:
@@ -100,19 +131,19 @@ def _muon(model, cfg, lr, group=None):
     matrices, rest = _split(model)
     inner = [torch.optim.Muon(matrices, lr=lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
              torch.optim.AdamW(rest, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)]
-    return _wrap(DenseAllReduce(inner, process_group=group), model)
+    return _wrap(DenseAllReduce(inner, process_group=group, overlap=_ov(cfg)), model)
 
 
 def _demo(model, cfg, lr, group=None):
     return _wrap(DeMo(model.parameters(), lr=lr, topk=cfg.topk, chunk=cfg.chunk, alpha=cfg.alpha,
                       beta=cfg.beta, values=cfg.values, momentum_form=cfg.momentum_form, weight_decay=0.0,
-                      process_group=group), model)
+                      process_group=group, overlap=_ov(cfg)), model)
 
 
 def _apmsqueeze(model, cfg, lr, group=None):
     warmup = max(1, round(cfg.compressed_after * cfg.steps))        # APMSqueeze needs >= 1 Adam step for v
     return _wrap(APMSqueeze(model.parameters(), lr=lr, warmup_steps=warmup, betas=(0.9, 0.95),
-                            process_group=group), model)
+                            process_group=group, overlap=_ov(cfg)), model)
 
 
 # EF21-Muon's radius for sign / RMS LMOs relative to the matrices' spectral radius: with
@@ -134,7 +165,7 @@ def _ef21_muon(model, cfg, lr, group=None):
               {"params": embeddings, "lmo": "sign", "lr": lr * EF21_VECTOR_LR},
               {"params": gains, "lmo": "rms", "lr": lr * EF21_VECTOR_LR}]
     opt = EF21Muon([g for g in groups if g["params"]], lr=lr, beta=EF21_BETA, weight_decay=0.1, uplink=cfg.uplink,
-                   downlink="identity", topology="replicated", process_group=group)
+                   downlink="identity", topology="replicated", process_group=group, overlap=_ov(cfg))
     return _wrap(opt, model)
 
 
@@ -148,12 +179,13 @@ def _lordo(model, cfg, lr, group=None):
     rank = cfg.lowrank or min(256, max(1, cfg.n_embd // 4))
     groups = [{"params": matrices, "low_rank": True}, {"params": rest, "low_rank": False}]
     return _wrap(LoRDO(groups, lr=lr, rank=rank, sync_every=cfg.sync_every, clip=LORDO_CLIP, betas=(0.9, 0.95),
-                       weight_decay=0.1, process_group=group), model)
+                       weight_decay=0.1, process_group=group, overlap=_ov(cfg)), model)
 
 
 def _diloco(model, cfg, lr, group=None):
     inner = lambda ps: _torch_adamw(ps, cfg, lr)  # noqa: E731
-    return _wrap(DiLoCo(model.parameters(), inner=inner, sync_every=cfg.sync_every, process_group=group), model)
+    return _wrap(DiLoCo(model.parameters(), inner=inner, sync_every=cfg.sync_every, process_group=group,
+                        overlap=_ov(cfg)), model)
 
 
 def _powersgd(model, cfg, lr, group=None):
@@ -169,15 +201,22 @@ def _powersgd(model, cfg, lr, group=None):
 # and step) was swept for AdamW and DeMo (docs/harness.md); Adam and PowerSGD's inner AdamW
 # take AdamW's rate there, unswept; the others fall back to their `small` rate. `sites` (the
 # wan model on 4 workers in 2 sites) takes wan's rates, unswept.
-register(OptimizerSpec("adamw", _adamw, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 3e-4, "sites": 3e-4}, dense=True,
-                       description="dense fp32 all-reduce + AdamW", hsdp=_torch_adamw))
-register(OptimizerSpec("adam", _adam, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 3e-4, "sites": 3e-4}, dense=True,
-                       description="dense fp32 all-reduce + Adam", counterpart="adam", hsdp=_torch_adam))
+_DENSE_LR = {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 3e-4, "sites": 3e-4}
+register(OptimizerSpec("adamw", _ddp(_torch_adamw), dict(_DENSE_LR), dense=True, can_overlap=False,
+                       description="torch DDP (fp32 bucketed all-reduce overlapped with backward) + AdamW",
+                       hsdp=_torch_adamw))
+register(OptimizerSpec("adam", _ddp(_torch_adam), dict(_DENSE_LR), dense=True, can_overlap=False,
+                       description="torch DDP (fp32 bucketed all-reduce overlapped with backward) + Adam",
+                       counterpart="adam", hsdp=_torch_adam))
+register(OptimizerSpec("adamw-allreduce", _adamw_allreduce, dict(_DENSE_LR), dense=True,
+                       description="thinwire DenseAllReduce (one fp32 all-reduce after backward) + AdamW"))
+register(OptimizerSpec("adam-allreduce", _adam_allreduce, dict(_DENSE_LR), dense=True, counterpart="adam",
+                       description="thinwire DenseAllReduce (one fp32 all-reduce after backward) + Adam"))
 register(OptimizerSpec("muon", _muon, {"tiny": 3e-3, "small": 1e-2, "base": 1e-2}, dense=True,
                        description="dense fp32 all-reduce + Muon (AdamW for non-matrices)", counterpart="muon",
                        on_shards=True))
 register(OptimizerSpec("powersgd", _powersgd, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 3e-4, "sites": 3e-4},
-                       description="PyTorch DDP PowerSGD hook (rank 4) + AdamW"))
+                       description="PyTorch DDP PowerSGD hook (rank 4) + AdamW", can_overlap=False))
 register(OptimizerSpec("demo", _demo, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 4e-4, "sites": 4e-4},
                        description="DeMo (DCT top-k, signum)", on_shards=True))
 register(OptimizerSpec("apmsqueeze", _apmsqueeze, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3},
@@ -189,3 +228,16 @@ register(OptimizerSpec("lordo", _lordo, {"tiny": 3e-3, "small": 5e-3, "base": 5e
                        description="LoRDO (low-rank Adam, sync every 32)", on_shards=True))
 register(OptimizerSpec("diloco", _diloco, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3},
                        description="DiLoCo (AdamW inner, Nesterov outer, sync every 32)", on_shards=True))
+
+
+def _overlap_variant(base: OptimizerSpec) -> OptimizerSpec:
+    """"<name>-overlap": `base` built with overlap=True whatever cfg.overlap says."""
+    def build(model, cfg, lr, group=None):
+        return base.build(model, replace(cfg, overlap=True), lr, group=group)
+    return OptimizerSpec(f"{base.name}-overlap", build, dict(base.default_lr), dense=False,
+                         description=f"{base.description}, overlap=True (exchange in flight during the next step)",
+                         counterpart=base.counterpart, on_shards=base.on_shards, overlap=True)
+
+
+for _name in ("demo", "ef21-muon", "apmsqueeze", "lordo", "diloco"):
+    register(_overlap_variant(OPTIMIZERS[_name]))

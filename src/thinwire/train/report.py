@@ -4,12 +4,19 @@ Modelled wall time of a run at bandwidth B (bits/s) and per-collective latency L
 
     T_B = Σ_steps [ compute_s + 8 · max(link sent, link received) / B + collectives · L ]
 
-with compute_s = measured step time − time blocked in collectives (worker.py), and link
+with compute_s = measured step time − time blocked in collectives (worker.py; for DDP, whose
+wait hides inside backward, the compute-only s/step measured with communication off:
+train/ddp.py), and link
 bytes from thinwire.comm.links (ring all-reduce 2n(W−1)/W each way, ...): a full-duplex
 link of rate B carries the larger direction. 'compute' is the same sum with a free link
 (B infinite, no latency). Time to target is the training time (evaluations excluded) at the
 first evaluation whose validation loss is <= the target; None when never reached. The
 target defaults to the dense baseline's final loss x 1.02.
+
+The physical limit (`add_limits`): a run's no-communication limit is the steps it needed to
+reach the target times its own compute-only s/step; every row also gets dense AdamW's limit
+and its measured time to target divided by it: how close it comes to training as if the
+network were free.
 
 Under `--sites` the link is a site's: its ranks share it, so the link bytes of a step are
 the busiest site's sum over its ranks (the log's final `tiers` record), compute_s excludes
@@ -47,16 +54,17 @@ def link_per_step(log: dict) -> list[tuple[int, int]]:
     return [(s["link_bytes_sent"], s["link_bytes_received"]) for s in log["steps"]]
 
 
-def cumulative_times(steps: list[dict], latency_s: float, link: list[tuple[int, int]] | None = None
-                     ) -> dict[str, list[float]]:
+def cumulative_times(steps: list[dict], latency_s: float, link: list[tuple[int, int]] | None = None,
+                     compute_s: float | None = None) -> dict[str, list[float]]:
     """Per time model ('measured', 'compute' and each bandwidth), the elapsed time after
     every step, with a leading 0 for 'before step 1'. `link`: (sent, received) bytes per step
-    (default: the steps' own)."""
+    (default: the steps' own). `compute_s`: a measured compute-only s/step that replaces
+    step − blocked time (DDP, whose wait hides in backward: train/ddp.py)."""
     link = link or [(s["link_bytes_sent"], s["link_bytes_received"]) for s in steps]
     out = {"measured": [0.0], "compute": [0.0], **{name: [0.0] for name in BANDWIDTHS}}
     for s, (sent, received) in zip(steps, link):
         out["measured"].append(out["measured"][-1] + s["step_s"])
-        compute = s["step_s"] - s["comm_s"]
+        compute = s["step_s"] - s["comm_s"] if compute_s is None else compute_s
         out["compute"].append(out["compute"][-1] + compute)
         wire = 8 * max(sent, received)
         for name, bw in BANDWIDTHS.items():
@@ -64,8 +72,13 @@ def cumulative_times(steps: list[dict], latency_s: float, link: list[tuple[int, 
     return out
 
 
+def steps_to_target(evals: list[dict], target: float) -> int | None:
+    """The step of the first evaluation whose validation loss is <= target; None if none is."""
+    return next((e["step"] for e in evals if e["val_loss"] <= target), None)
+
+
 def time_to_target(evals: list[dict], times: dict[str, list[float]], target: float) -> dict:
-    hit = next((e["step"] for e in evals if e["val_loss"] <= target), None)
+    hit = steps_to_target(evals, target)
     return {name: (None if hit is None else series[hit]) for name, series in times.items()}
 
 
@@ -74,7 +87,10 @@ def summarize(optimizer: str, log: dict, target: float, latency_s: float, link: 
     n = len(steps)
     mean = lambda key: sum(s[key] for s in steps) / n
     link_bytes = link_per_step(log)
-    times = cumulative_times(steps, latency_s, link_bytes)
+    calibrated = (log["final"] or {}).get("compute_only_step_s")
+    times = cumulative_times(steps, latency_s, link_bytes, calibrated)
+    compute_only = calibrated if calibrated is not None else mean("step_s") - mean("comm_s")
+    hit = steps_to_target(evals, target)
     row = {
         "optimizer": optimizer,
         "val_loss": evals[-1]["val_loss"],
@@ -85,6 +101,12 @@ def summarize(optimizer: str, log: dict, target: float, latency_s: float, link: 
         "collectives_per_step": mean("collectives"),
         "step_time_s": mean("step_s"),
         "compute_time_s": mean("step_s") - mean("comm_s"),
+        # the physical limit: compute-only s/step, and the steps to target at that rate
+        "compute_only_step_s": compute_only,
+        "compute_only_source": "calibrated: steps under DDP no_sync()" if calibrated is not None
+                               else "step time - time blocked in collectives",
+        "steps_to_target": hit,
+        "no_comm_limit_s": None if hit is None else hit * compute_only,
         "train_time_s": {k: v[-1] for k, v in times.items()},
         "target_loss": target,
         "time_to_target_s": time_to_target(evals, times, target),
@@ -98,8 +120,23 @@ def summarize(optimizer: str, log: dict, target: float, latency_s: float, link: 
         row.update(_tiers(tiers, steps))
     if link is not None:
         row["link"] = link
-        row["modelled_at_link_s"] = _at_link(steps, link_bytes, link["rate_bps"], latency_s)
+        row["modelled_at_link_s"] = _at_link(steps, link_bytes, link["rate_bps"], latency_s, calibrated)
     return row
+
+
+def add_limits(rows: list[dict], dense: tuple[str, ...] = ("adamw", "adamw-allreduce")) -> dict | None:
+    """Every row gets dense AdamW's no-communication limit (`dense_limit_s`: its steps to target
+    x its compute-only s/step; the first of the names `dense` that ran: DDP AdamW, else
+    DenseAllReduce AdamW) and `ratio_to_dense_limit` = its measured time to target / that limit (None when
+    either is missing). Returns the reference row (None when it did not run)."""
+    ref = next((r for name in dense for r in rows if r["optimizer"] == name), None)
+    limit = ref["no_comm_limit_s"] if ref else None
+    for r in rows:
+        measured = r["time_to_target_s"]["measured"]
+        r["dense_limit_s"] = limit
+        r["dense_limit_of"] = ref["optimizer"] if ref else None
+        r["ratio_to_dense_limit"] = None if (limit is None or measured is None or not limit) else measured / limit
+    return ref
 
 
 def _tiers(tiers: dict, steps: list[dict]) -> dict:
@@ -133,9 +170,10 @@ def _by_tag(final: dict | None, steps: int) -> dict[str, float]:
     return {tag: c["payload_bytes"] / steps for tag, c in final["comm_stats"]["by_tag"].items()}
 
 
-def _at_link(steps: list[dict], link_bytes: list[tuple[int, int]], bw: float, latency_s: float) -> float:
-    return sum(s["step_s"] - s["comm_s"] + 8 * max(sent, received) / bw + s["collectives"] * latency_s
-               for s, (sent, received) in zip(steps, link_bytes))
+def _at_link(steps: list[dict], link_bytes: list[tuple[int, int]], bw: float, latency_s: float,
+             compute_s: float | None = None) -> float:
+    return sum((s["step_s"] - s["comm_s"] if compute_s is None else compute_s) + 8 * max(sent, received) / bw
+               + s["collectives"] * latency_s for s, (sent, received) in zip(steps, link_bytes))
 
 
 def _mb(x: float) -> str:
@@ -176,6 +214,8 @@ def format_table(rows: list[dict], baseline: str | None) -> str:
                  f"modelled time = compute + link bytes / bandwidth + collectives x latency (training only).")
     if tiered:
         lines.append("\n" + _tiers_table(rows))
+    if any("no_comm_limit_s" in r for r in rows):
+        lines.append("\n" + _limits_table(rows))
     for r in rows:
         tags = {t: b for t, b in r.get("payload_bytes_per_step_by_tag", {}).items() if t != "handshake"}
         if len(tags) > 1:
@@ -188,6 +228,31 @@ def format_table(rows: list[dict], baseline: str | None) -> str:
             verdict = "agree within 25 %" if gap <= 0.25 else "DISAGREE by more than 25 %"
             lines.append(f"{r['optimizer']} over the emulated {r['link']['spec']} link: measured "
                          f"{measured:.1f} s, modelled {modelled:.1f} s ({gap:.0%} apart: {verdict}).")
+    return "\n".join(lines)
+
+
+def _x(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _limits_table(rows: list[dict]) -> str:
+    """Against the physical limit: compute-only step time, the no-communication limit (steps
+    to target x compute-only s/step) and measured time to target over dense AdamW's limit."""
+    lines = ["| optimizer | overlap | step s | compute-only s/step | steps to target | no-comm limit s | "
+             "to target: measured s | x dense AdamW's limit |", "|" + "---|" * 8]
+    for r in rows:
+        steps = "never" if r.get("steps_to_target") is None else str(r["steps_to_target"])
+        lines.append(f"| {r['optimizer']} | {'yes' if r.get('overlap') else 'no'} | {r['step_time_s']:.3f} | "
+                     f"{r['compute_only_step_s']:.3f} | {steps} | {_t(r.get('no_comm_limit_s'))} | "
+                     f"{_t(r['time_to_target_s']['measured'])} | {_x(r.get('ratio_to_dense_limit'))} |")
+    ref = next((r for r in rows if r.get("dense_limit_of")), None)
+    if ref is not None and ref["dense_limit_s"] is not None:
+        lines.append(f"\nDense AdamW's no-communication limit: {ref['dense_limit_s']:.1f} s ({ref['dense_limit_of']}). "
+                     f"Compute-only s/step: DDP runs measured before training with communication off "
+                     f"(no_sync); others step time - time blocked in collectives (with overlap, the wait "
+                     f"in the next step).")
+    else:
+        lines.append("\nDense AdamW (adamw) did not run or did not reach the target: no ratio to its limit.")
     return "\n".join(lines)
 
 
@@ -235,7 +300,8 @@ def plot(logs: dict[str, dict], out_dir: Path, latency_s: float) -> list[Path]:
         cum = [0]
         for s in log["steps"]:
             cum.append(cum[-1] + s["payload_bytes"])
-        t100 = cumulative_times(log["steps"], latency_s, link_per_step(log))["100mbit"]
+        t100 = cumulative_times(log["steps"], latency_s, link_per_step(log),
+                                (log["final"] or {}).get("compute_only_step_s"))["100mbit"]
         axes[0].plot(steps, loss, label=name)
         axes[1].plot([cum[k] / 1e6 for k in steps], loss, label=name)
         axes[2].plot([t100[k] for k in steps], loss, label=name)

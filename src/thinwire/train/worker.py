@@ -80,8 +80,9 @@ def _record(stats, prefix: str = "") -> dict:
             prefix + "link_bytes_received": s.link_bytes_received, prefix + "collectives": s.collectives}
 
 
-def _timed_step(built, sched, x, y, fsdp=None) -> dict:
-    """One optimizer step; its loss, lr, wall time and time blocked in (inter-site) collectives."""
+def _timed_step(built, sched, x, y, fsdp=None, last: bool = False) -> dict:
+    """One optimizer step; its loss, lr, wall time and time blocked in (inter-site) collectives.
+    The last step also flushes an exchange left in flight (overlap=True), inside its time."""
     BLOCKED[0] = 0.0
     t0 = time.perf_counter()
     if not built.counts_itself:
@@ -91,6 +92,8 @@ def _timed_step(built, sched, x, y, fsdp=None) -> dict:
     loss = F.cross_entropy(built.model(x).flatten(0, 1), y.flatten())
     loss.backward()
     built.optimizer.step()
+    if last and hasattr(built.optimizer, "flush"):
+        built.optimizer.flush()
     built.optimizer.zero_grad(set_to_none=False)
     sched.step()
     if x.is_cuda:
@@ -121,9 +124,12 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
     try:
         val = evaluate(model, val_ids, starts, cfg, rank, world)
         _write(log, {"kind": "eval", "step": 0, "val_loss": val})
+        compute_only = None                         # DDP: compute-only s/step, communication off (ddp.py)
+        if built.calibrate is not None:
+            compute_only = built.calibrate(lambda i: tuple(t.to(device) for t in train_batch(train_ids, cfg, i, rank, world)))
         for step in range(1, cfg.steps + 1):
             x, y = (t.to(device) for t in train_batch(train_ids, cfg, step - 1, rank, world))
-            rec = _timed_step(built, sched, x, y, fsdp)
+            rec = _timed_step(built, sched, x, y, fsdp, last=(step == cfg.steps))
             inter_steps.append((rec["payload_bytes"], rec["link_bytes_sent"], rec["link_bytes_received"]))
             _write(log, {"kind": "step", "step": step, **rec})
             bar.update(step, rec["loss"], built.stats.payload_bytes)
@@ -134,6 +140,8 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
         state_bytes = optimizer_state_bytes(built.optimizer)
         final = {"kind": "final", "comm_stats": built.stats.state_dict(), "val_loss": val,
                  "n_params": sum(p.numel() for p in model.parameters()), "optimizer_state_bytes": state_bytes}
+        if compute_only is not None:
+            final["compute_only_step_s"] = compute_only
         if tiers is not None:
             final["tiers"] = _gather_tiers(tiers, world, state_bytes, inter_steps)
         _write(log, final)
