@@ -32,7 +32,6 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency", help="per-collective latency for modelled time (default 1ms, or the --link delay)")
     p.add_argument("--target", type=float, help="target validation loss (default: dense baseline's final x 1.02)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.add_argument("--overlap", action="store_true", default=None, help=FIELD_HELP["overlap"])
     for name in _OVERRIDES:
         kind = float if name in _FLOATS else str if name in _STRINGS else int
         p.add_argument("--" + name.replace("_", "-"), type=kind, help=FIELD_HELP[name] + " (overrides the preset)")
@@ -44,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a small GPT on N gloo workers with one optimizer")
     train.add_argument("--optimizer", default="demo", help="adamw, adam, muon, powersgd, demo, apmsqueeze, ef21-muon, lordo, diloco")
     _run_args(train)
+    train.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                       help="checkpoint every N steps and at the end under <out>/checkpoint/ (0: only resume); "
+                            "a run resumes from the latest complete checkpoint in --out")
+    train.add_argument("--peer-timeout", type=float, default=None, metavar="SECONDS",
+                       help="a collective waits this long for a silent peer before every survivor fails "
+                            "(default 120)")
     comp = sub.add_parser("compare", help="train with several optimizers; print loss, bytes and time table")
     comp.add_argument("--optimizers", default=DEFAULT_COMPARE, help=f"comma-separated, from: adamw, adam, muon, powersgd, demo, "
                       f"apmsqueeze, ef21-muon, lordo, diloco (default {DEFAULT_COMPARE})")
@@ -59,8 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args):
     from .config import get_preset
-    return get_preset(args.preset, **{name: getattr(args, name) for name in _OVERRIDES},
-                      overlap=getattr(args, "overlap", None))
+    return get_preset(args.preset, **{name: getattr(args, name) for name in _OVERRIDES})
 
 
 def _train_or_compare(args) -> None:
@@ -70,8 +74,11 @@ def _train_or_compare(args) -> None:
     names = [args.optimizer.lower()] if args.command == "train" else [n.strip().lower() for n in args.optimizers.split(",")
                                                               if n.strip()]
     latency = parse_time(args.latency) if args.latency else None
+    train = args.command == "train"
     compare(cfg, names, workers=cfg.workers, out_dir=args.out, link=args.link, latency_s=latency,
-            target=args.target, data=args.data, quiet=args.quiet)
+            target=args.target, data=args.data, quiet=args.quiet, checkpoint=train,
+            checkpoint_every=args.checkpoint_every if train else 0,
+            peer_timeout=args.peer_timeout if train else None)
 
 
 def main(argv=None) -> None:
@@ -86,6 +93,28 @@ def main(argv=None) -> None:
     except ValueError as err:          # user errors: one clear line, no traceback
         print(f"thinwire: error: {err}", file=sys.stderr)
         sys.exit(2)
+
+
+def _torchrun_checkpoint(args, cfg) -> str | None:
+    """<out>/checkpoint under torchrun (every rank checks the latest checkpoint before joining)."""
+    if not args.out:
+        if args.checkpoint_every:
+            raise SystemExit("thinwire: error: --checkpoint-every needs --out")
+        return None
+    from .checkpoint import CheckpointError, check, checkpoint_root, expected_meta, latest
+    from .optimizers import get_optimizer
+    root = checkpoint_root(args.out)
+    path = latest(root)
+    if path is not None:
+        lr = cfg.lr or get_optimizer(args.optimizer).lr_for(cfg.name)
+        try:
+            meta = check(path, expected_meta(cfg, args.optimizer, lr, int(os.environ["WORLD_SIZE"])))
+        except CheckpointError as err:
+            raise SystemExit(f"thinwire: error: {err}") from None
+        if os.environ["RANK"] == "0":
+            print(f"thinwire: resuming {args.optimizer} from {path} (step {meta['step']} of {cfg.steps})",
+                  file=sys.stderr)
+    return str(root)
 
 
 def torchrun_main(argv=None) -> None:
@@ -122,14 +151,20 @@ def torchrun_main(argv=None) -> None:
     import torch.distributed as dist
     from .launch import init_from_env
     from .optimizers import get_optimizer
-    from .worker import train_worker
-    rank, world = init_from_env()
+    from .worker import PeerFailure, train_worker
+    ckpt = _torchrun_checkpoint(args, cfg)
+    rank, world = init_from_env(args.peer_timeout)
     try:
         lr = cfg.lr or get_optimizer(args.optimizer).lr_for(cfg.name)
         log = os.path.join(args.out, f"{args.optimizer}.jsonl") if args.out else None
         if log and rank == 0:
             os.makedirs(args.out, exist_ok=True)
-        train_worker(rank, world, cfg, args.optimizer, lr, log, args.quiet, args.data)
+        try:
+            train_worker(rank, world, cfg, args.optimizer, lr, log, args.quiet, args.data, ckpt,
+                         args.checkpoint_every, args.peer_timeout)
+        except (PeerFailure, ValueError) as err:        # a dead peer, a bad checkpoint: one clear line each
+            print(f"thinwire: error: {err}", file=sys.stderr, flush=True)
+            os._exit(1)                                 # the group is broken: tearing it down could wait
         if log and rank == 0:
             from pathlib import Path
             from .config import parse_time

@@ -22,7 +22,7 @@ from .config import TrainConfig, check_sites, parse_link
 from .data import check_corpus, load_corpus
 from .launch import launch
 from .optimizers import OPTIMIZERS, get_optimizer
-from .report import add_limits, format_table, plot, read_log, summarize
+from .report import format_table, plot, read_log, summarize
 from .worker import train_worker
 
 DEFAULT_LATENCY_S = 1e-3
@@ -33,10 +33,7 @@ def check_run(cfg: TrainConfig, optimizers: list[str], workers: int, data: str |
     if not optimizers:
         raise ValueError("give at least one optimizer")
     for name in optimizers:
-        spec = get_optimizer(name)
-        if cfg.overlap and not spec.can_overlap:
-            raise ValueError(f"--overlap: {name} cannot overlap ({_no_overlap(name)}); overlap applies to "
-                             f"thinwire optimizers")
+        get_optimizer(name)
     if len(set(optimizers)) != len(optimizers):
         raise ValueError(f"optimizers repeat a name: {optimizers}")
     if workers < 1:
@@ -57,15 +54,6 @@ def check_run(cfg: TrainConfig, optimizers: list[str], workers: int, data: str |
     check_corpus(train, val, cfg.context)
 
 
-def _no_overlap(name: str) -> str:
-    if name == "powersgd":
-        return "PyTorch's PowerSGD hook runs inside backward and the harness waits on it"
-    if name in ("adamw", "adam"):
-        return (f"torch DDP overlaps its bucketed all-reduce with backward by itself; {name}-allreduce, "
-                f"thinwire's DenseAllReduce, takes --overlap")
-    return "no overlap=True"
-
-
 def _link_context(link: str | None, workers: int, sites: int = 0):
     """(context manager, link description or None); falls back to modelled time only."""
     if link is None:
@@ -83,10 +71,25 @@ def _link_context(link: str | None, workers: int, sites: int = 0):
 def compare(cfg: TrainConfig, optimizers: list[str], workers: int | None = None, out_dir: str | None = None,
             link: str | None = None, latency_s: float | None = None, target: float | None = None,
             data: str | None = None, quiet: bool = False, lrs: dict[str, float] | None = None,
-            show: bool = True) -> list[dict]:
-    """Run each optimizer on `workers` processes (default: the preset's `cfg.workers`); the rows."""
+            show: bool = True, checkpoint: bool = False, checkpoint_every: int = 0,
+            peer_timeout: float | None = None) -> list[dict]:
+    """Run each optimizer on `workers` processes (default: the preset's `cfg.workers`); the rows.
+
+    `checkpoint` (`thinwire train`, one optimizer, needs `out_dir`): checkpoints under
+    `<out>/checkpoint/` every `checkpoint_every` steps and at the end, and the run resumes
+    from the latest complete one there (train/checkpoint.py). `peer_timeout`: seconds a
+    collective waits for a silent peer before every survivor raises."""
     workers = cfg.workers if workers is None else workers
     check_run(cfg, optimizers, workers, data)
+    if checkpoint_every and not checkpoint:
+        raise ValueError("--checkpoint-every belongs to `thinwire train` (one optimizer per run)")
+    if peer_timeout is not None and peer_timeout <= 0:
+        raise ValueError(f"--peer-timeout must be > 0 seconds, got {peer_timeout}")
+    ckpt_dir = None
+    if checkpoint and out_dir:
+        ckpt_dir = _checkpoint_dir(cfg, optimizers, workers, out_dir, checkpoint_every, lrs, show)
+    elif checkpoint_every:
+        raise ValueError("--checkpoint-every needs --out (checkpoints go to <out>/checkpoint/)")
     out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="thinwire-"))
     out.mkdir(parents=True, exist_ok=True)
     context, link_info = _link_context(link, workers, cfg.sites)
@@ -98,10 +101,33 @@ def compare(cfg: TrainConfig, optimizers: list[str], workers: int | None = None,
             lr = (lrs or {}).get(name) or cfg.lr or get_optimizer(name).lr_for(cfg.name)
             path = out / f"{name}.jsonl"
             kwargs = ({"namespaces": emulated.namespaces, "ifname": emulated.ifname} if emulated else {})
-            launch(train_worker, workers, args=(cfg, name, lr, str(path), quiet, data), **kwargs)
+            launch(train_worker, workers, args=(cfg, name, lr, str(path), quiet, data, ckpt_dir, checkpoint_every,
+                                                peer_timeout), timeout=peer_timeout, **kwargs)
             logs[name] = read_log(path)
             logs[name]["lr"] = lr
     return report(cfg, logs, workers, out, latency_s, target, link_info, show)
+
+
+def _checkpoint_dir(cfg, optimizers, workers, out_dir, every, lrs, show) -> str:
+    """<out>/checkpoint, after checking the latest checkpoint there (if any) can be resumed by
+    this run: CheckpointError (a ValueError) naming what differs or is corrupt, before any
+    worker starts."""
+    from .checkpoint import check, checkpoint_root, expected_meta, latest
+    if len(optimizers) != 1:
+        raise ValueError("checkpoints hold one optimizer's run: use `thinwire train`")
+    name = optimizers[0]
+    if every < 0:
+        raise ValueError(f"--checkpoint-every must be >= 0, got {every}")
+    if name == "powersgd":
+        raise ValueError("powersgd cannot be checkpointed: PyTorch's DDP hook keeps its error feedback "
+                         "outside the optimizer, where no checkpoint reaches it")
+    root = checkpoint_root(out_dir)
+    path = latest(root)
+    if path is not None:
+        lr = (lrs or {}).get(name) or cfg.lr or get_optimizer(name).lr_for(cfg.name)
+        meta = check(path, expected_meta(cfg, name, lr, workers))
+        print(f"thinwire: resuming {name} from {path} (step {meta['step']} of {cfg.steps})", file=sys.stderr)
+    return str(root)
 
 
 def report(cfg: TrainConfig, logs: dict[str, dict], workers: int, out: Path, latency_s: float,
@@ -115,12 +141,9 @@ def report(cfg: TrainConfig, logs: dict[str, dict], workers: int, out: Path, lat
     rows = []
     for name in optimizers:
         row = summarize(name, logs[name], target, latency_s, link_info)
-        spec = OPTIMIZERS.get(name)
         row.update(lr=logs[name].get("lr"), workers=workers, preset=cfg.name, config=cfg.__dict__.copy(),
-                   counterpart=spec.counterpart if spec else None,
-                   overlap=bool(spec and (spec.overlap or (cfg.overlap and spec.can_overlap))))
+                   counterpart=OPTIMIZERS[name].counterpart if name in OPTIMIZERS else None)
         rows.append(row)
-    add_limits(rows)
     table = format_table(rows, baseline)
     (out / "summary.json").write_text(json.dumps({"target_loss": target, "baseline": baseline,
                                                   "latency_s": latency_s, "sites": cfg.sites or None,

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .checkpoint import check, expected_meta, latest, load, save
 from .data import load_corpus, train_batch, val_starts, windows
 from .model import build_model
 from .optimizers import get_optimizer
@@ -80,9 +83,8 @@ def _record(stats, prefix: str = "") -> dict:
             prefix + "link_bytes_received": s.link_bytes_received, prefix + "collectives": s.collectives}
 
 
-def _timed_step(built, sched, x, y, fsdp=None, last: bool = False) -> dict:
-    """One optimizer step; its loss, lr, wall time and time blocked in (inter-site) collectives.
-    The last step also flushes an exchange left in flight (overlap=True), inside its time."""
+def _timed_step(built, sched, x, y, fsdp=None) -> dict:
+    """One optimizer step; its loss, lr, wall time and time blocked in (inter-site) collectives."""
     BLOCKED[0] = 0.0
     t0 = time.perf_counter()
     if not built.counts_itself:
@@ -92,8 +94,6 @@ def _timed_step(built, sched, x, y, fsdp=None, last: bool = False) -> dict:
     loss = F.cross_entropy(built.model(x).flatten(0, 1), y.flatten())
     loss.backward()
     built.optimizer.step()
-    if last and hasattr(built.optimizer, "flush"):
-        built.optimizer.flush()
     built.optimizer.zero_grad(set_to_none=False)
     sched.step()
     if x.is_cuda:
@@ -105,8 +105,14 @@ def _timed_step(built, sched, x, y, fsdp=None, last: bool = False) -> dict:
 
 
 def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path: str | None,
-                 quiet: bool = True, data_path: str | None = None) -> None:
-    """Train `cfg`'s model with `optimizer` at base `lr` on this rank; rank 0 logs to `log_path`."""
+                 quiet: bool = True, data_path: str | None = None, checkpoint_dir: str | None = None,
+                 checkpoint_every: int = 0, peer_timeout: float | None = None) -> None:
+    """Train `cfg`'s model with `optimizer` at base `lr` on this rank; rank 0 logs to `log_path`.
+
+    With `checkpoint_dir` (train/checkpoint.py): resume from its latest complete checkpoint
+    when there is one, and write one every `checkpoint_every` steps (0: none) and at the end.
+    A collective that fails (a peer died, or sent nothing for `peer_timeout` seconds, the
+    process group's timeout) raises PeerFailure naming the step."""
     install()                                       # time what the Communicator waits on
     train_ids, val_ids = load_corpus(data_path, cfg.vocab_size)
     device = _device()
@@ -119,17 +125,22 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
     inter_steps = []                                # this rank's (payload, sent, received) per step
     sched = torch.optim.lr_scheduler.LambdaLR(built.optimizer, lambda s: lr_factor(s, cfg))
     starts = val_starts(val_ids, cfg)
-    log = open(log_path, "w") if (rank == 0 and log_path) else None
+    meta = expected_meta(cfg, optimizer, lr, world, model)
+    done = step = 0
+    resume = latest(checkpoint_dir) if checkpoint_dir else None
+    if resume is not None:
+        check(resume, meta)
+        done = step = load(resume, model, built, sched, rank)
+    log = _open_log(log_path, done) if rank == 0 else None
     bar = Progress(optimizer, cfg.steps, enabled=(rank == 0 and not quiet))
     try:
-        val = evaluate(model, val_ids, starts, cfg, rank, world)
-        _write(log, {"kind": "eval", "step": 0, "val_loss": val})
-        compute_only = None                         # DDP: compute-only s/step, communication off (ddp.py)
-        if built.calibrate is not None:
-            compute_only = built.calibrate(lambda i: tuple(t.to(device) for t in train_batch(train_ids, cfg, i, rank, world)))
-        for step in range(1, cfg.steps + 1):
+        if not done:
+            val = evaluate(model, val_ids, starts, cfg, rank, world)
+            _write(log, {"kind": "eval", "step": 0, "val_loss": val})
+        for step in range(done + 1, cfg.steps + 1):
+            _maybe_die(rank, step)
             x, y = (t.to(device) for t in train_batch(train_ids, cfg, step - 1, rank, world))
-            rec = _timed_step(built, sched, x, y, fsdp, last=(step == cfg.steps))
+            rec = _timed_step(built, sched, x, y, fsdp)
             inter_steps.append((rec["payload_bytes"], rec["link_bytes_sent"], rec["link_bytes_received"]))
             _write(log, {"kind": "step", "step": step, **rec})
             bar.update(step, rec["loss"], built.stats.payload_bytes)
@@ -137,14 +148,22 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
                 val = evaluate(model, val_ids, starts, cfg, rank, world)
                 _write(log, {"kind": "eval", "step": step, "val_loss": val})
                 bar.note(val)
+            if checkpoint_dir and ((checkpoint_every and step % checkpoint_every == 0) or step == cfg.steps):
+                save(checkpoint_dir, step, model, built, sched, meta, rank)
+        if done >= cfg.steps:                      # resumed at the end: the final evaluation again
+            val = evaluate(model, val_ids, starts, cfg, rank, world)
         state_bytes = optimizer_state_bytes(built.optimizer)
         final = {"kind": "final", "comm_stats": built.stats.state_dict(), "val_loss": val,
                  "n_params": sum(p.numel() for p in model.parameters()), "optimizer_state_bytes": state_bytes}
-        if compute_only is not None:
-            final["compute_only_step_s"] = compute_only
         if tiers is not None:
             final["tiers"] = _gather_tiers(tiers, world, state_bytes, inter_steps)
         _write(log, final)
+    except Exception as err:
+        if peer_failed(err):
+            raise PeerFailure(f"rank {rank} of {world}: step {step}: a peer died or did not answer within the "
+                              f"peer timeout ({_seconds(peer_timeout)}); no checkpoint of it was written "
+                              f"({type(err).__name__}: {_first_line(err)})") from err
+        raise
     finally:
         bar.close()
         if log:
@@ -164,3 +183,54 @@ def _write(log, record: dict) -> None:
     if log is not None:
         log.write(json.dumps(record) + "\n")
         log.flush()
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed on this rank: a peer died or did not answer within the timeout."""
+
+
+def peer_failed(err: BaseException) -> bool:
+    """Whether `err` is a collective's failure (gloo/NCCL: peer gone, connection lost, timeout)."""
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(
+        w in text for w in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
+
+
+def _seconds(t: float | None) -> str:
+    return "the process group's default" if t is None else f"{t:g} s"
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def _open_log(log_path: str | None, done: int):
+    """Rank 0's log; when resuming at step `done`, the records of steps after it (written by
+    the interrupted run before it died) and its final record are dropped first."""
+    if not log_path:
+        return None
+    if done and os.path.exists(log_path):
+        with open(log_path) as f:
+            keep = [line for line in f if line.strip() and _kept(json.loads(line), done)]
+        log = open(log_path, "w")
+        log.writelines(keep)
+        return log
+    return open(log_path, "w")
+
+
+def _kept(record: dict, done: int) -> bool:
+    return record.get("kind") != "final" and record.get("step", 0) <= done
+
+
+def _maybe_die(rank: int, step: int) -> None:
+    """Fault injection for tests: THINWIRE_DIE_AT="rank:step" SIGKILLs that rank as it starts
+    that step, on a first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT unset or 0)."""
+    spec = os.environ.get("THINWIRE_DIE_AT")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    who, _, when = spec.partition(":")
+    if int(who) == rank and int(when) == step:
+        os.kill(os.getpid(), signal.SIGKILL)

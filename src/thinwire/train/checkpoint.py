@@ -1,0 +1,231 @@
+"""Checkpoints of a harness run, with torch.distributed.checkpoint (DCP).
+
+    root = checkpoint_root(out_dir)                   # <out>/checkpoint
+    path = latest(root)                               # newest complete step-NNNNNN, or None
+    check(path, expected_meta(cfg, name, lr, world))  # CheckpointError naming what differs
+    save(root, step, model, built, sched, meta, rank, keep=2)
+    step = load(path, model, built, sched, rank)
+
+A checkpoint is one DCP folder `<out>/checkpoint/step-NNNNNN/` holding
+  * "model": the model's state dict (torch.distributed.checkpoint.state_dict; under FSDP2
+    DTensor shards, so the checkpoint is sharded; a replicated model is saved once);
+  * "rank{r}": rank r's own bytes (torch.save of a dict): its optimizer's state_dict()
+    (thinwire optimizers' state is this rank's: error feedback, local momenta, EF21's
+    server state on rank 0), the LR scheduler's state and the CPU (and CUDA) RNG state.
+    A per-rank key is the point: DCP's planner keeps one copy of a value saved under the
+    same key on every rank, which would silently replace every rank's error buffers by
+    rank 0's (DeepSpeed 1-bit Adam's bug);
+  * "optim": under FSDP2 HSDP a plain torch optimizer's DTensor state, sharded
+    (get_optimizer_state_dict), instead of per-rank bytes;
+  * `thinwire.json` (rank 0): the step, optimizer, lr, world size, config, parameter shapes
+    and the size of every file in the folder.
+The step is the data position (data.train_batch is a pure function of the step). DCP
+writes into `step-NNNNNN.tmp`; rank 0 renames it once every rank has written and the
+metadata is on disk, so a crash mid-write leaves the previous checkpoint as the latest
+complete one. The newest `keep` complete checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+META = "thinwire.json"
+_NAME = re.compile(r"^step-(\d{6,})$")
+# Config fields a resumed run may change: they do not touch the trajectory.
+MAY_DIFFER = ("eval_every",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed (incomplete, corrupt, or from another run)."""
+
+
+def checkpoint_root(out_dir: str | os.PathLike) -> Path:
+    return Path(out_dir) / "checkpoint"
+
+
+def _step_of(path: Path) -> int | None:
+    m = _NAME.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def complete(root: str | os.PathLike) -> list[Path]:
+    """The complete checkpoints under `root`, oldest first (renamed: written to the end)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _step_of(p) is not None and (p / META).is_file()]
+    return sorted(found, key=_step_of)
+
+
+def latest(root: str | os.PathLike) -> Path | None:
+    done = complete(root)
+    return done[-1] if done else None
+
+
+def _shapes(model: torch.nn.Module) -> dict[str, list[int]]:
+    return {n: list(p.shape) for n, p in model.named_parameters()}
+
+
+def expected_meta(cfg, optimizer: str, lr: float, world: int, model: torch.nn.Module | None = None) -> dict:
+    """What a checkpoint of this run must say about itself to be resumed by it."""
+    meta = {"optimizer": optimizer, "lr": lr, "world": world, "config": dict(cfg.__dict__)}
+    if model is not None:
+        meta["params"] = _shapes(model)
+    return meta
+
+
+def check(path: Path, expect: dict) -> dict:
+    """The checkpoint's metadata, or CheckpointError naming what is missing, truncated or differs."""
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {path} is unreadable ({META}: {err})") from None
+    for name, size in meta.get("files", {}).items():
+        f = path / name
+        have = f.stat().st_size if f.is_file() else None
+        if have != size:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {name} is "
+                                  f"{'missing' if have is None else f'{have} bytes'}, was written as {size} bytes"
+                                  + _previous(path))
+    diffs = []
+    for key in ("optimizer", "world", "lr"):
+        if key in expect and meta.get(key) != expect[key]:
+            what = "world size" if key == "world" else key
+            diffs.append(f"{what}: checkpoint {meta.get(key)!r}, this run {expect[key]!r}")
+    saved, now = meta.get("config", {}), expect.get("config", {})
+    for key in sorted(set(saved) | set(now)):
+        if key not in MAY_DIFFER and saved.get(key) != now.get(key):
+            diffs.append(f"{key}: checkpoint {saved.get(key)!r}, this run {now.get(key)!r}")
+    if "params" in expect and meta.get("params") != expect["params"]:
+        diffs.append("parameter shapes differ: " + ", ".join(
+            f"{n} {meta.get('params', {}).get(n)} vs {expect['params'].get(n)}"
+            for n in sorted(set(meta.get("params", {})) | set(expect["params"]))
+            if meta.get("params", {}).get(n) != expect["params"].get(n)))
+    if diffs:
+        raise CheckpointError(f"checkpoint {path} (step {meta.get('step')}) is from another run and cannot be "
+                              f"resumed by this one: " + "; ".join(diffs) +
+                              ". Resume with the flags it was written with (a run resumes at the world size it was "
+                              "written at), or give another --out")
+    return meta
+
+
+def _previous(path: Path) -> str:
+    older = [p for p in complete(path.parent) if _step_of(p) < _step_of(path)]
+    return (f"; remove it to resume from the previous checkpoint {older[-1]}" if older
+            else "; remove it to start afresh")
+
+
+def _shards_optimizer_as_dtensor(opt) -> bool:
+    from ..optim.base import CommunicatingOptimizer
+    return not isinstance(opt, CommunicatingOptimizer)
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _state(model, built, sched, rank: int, with_optimizer: bool) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    opt = built.optimizer
+    mine = {"scheduler": sched.state_dict(), "rng": _rng_state()}
+    state = {"model": get_model_state_dict(model)}
+    if _shards_optimizer_as_dtensor(opt):
+        state["optim"] = get_optimizer_state_dict(model, opt)
+    elif with_optimizer:
+        mine["optimizer"] = opt.state_dict()           # flushes an exchange in flight
+    buf = io.BytesIO()
+    if with_optimizer:
+        torch.save(mine, buf)
+    state[f"rank{rank}"] = buf
+    return state
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save(root: str | os.PathLike, step: int, model, built, sched, meta: dict, rank: int, keep: int = 2) -> Path:
+    """Write step `step`'s checkpoint under `root` (every rank calls this); its final path."""
+    import torch.distributed.checkpoint as dcp
+    root = Path(root)
+    final, tmp = root / f"step-{step:06d}", root / f"step-{step:06d}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    dcp.save(_state(model, built, sched, rank, True), checkpoint_id=str(tmp))
+    _barrier()
+    if rank == 0:
+        files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
+        body = json.dumps({**meta, "step": step, "params": _shapes_of(model, meta), "files": files}, indent=1)
+        with open(tmp / META, "w") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in complete(root)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+        for stale in root.glob("step-*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def _shapes_of(model, meta: dict) -> dict:
+    return meta.get("params") or _shapes(model)
+
+
+def load(path: str | os.PathLike, model, built, sched, rank: int) -> int:
+    """Restore model, this rank's optimizer state, scheduler and RNG from `path`; its step.
+    A checkpoint DCP cannot read raises CheckpointError on every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    path = Path(path)
+    meta = json.loads((path / META).read_text())
+    state = _state(model, built, sched, rank, False)
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as err:               # DCP gathers every rank's read errors and raises them on all
+        raise CheckpointError(f"checkpoint {path} could not be read ({type(err).__name__}: "
+                              f"{str(err).strip().splitlines()[0] if str(err).strip() else ''})"
+                              + _previous(path)) from err
+    set_model_state_dict(model, state["model"])
+    if "optim" in state:
+        set_optimizer_state_dict(model, built.optimizer, state["optim"])
+    mine = state[f"rank{rank}"]
+    if isinstance(mine, io.BytesIO):           # DCP hands back torch.load of the bytes, or fills the buffer
+        mine.seek(0)
+        mine = torch.load(mine, weights_only=False)
+    if "optimizer" in mine:
+        built.optimizer.load_state_dict(mine["optimizer"])
+    sched.load_state_dict(mine["scheduler"])
+    torch.set_rng_state(mine["rng"]["cpu"])
+    if "cuda" in mine["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state(mine["rng"]["cuda"])
+    return int(meta["step"])
+
+
+def read_model(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model's full state dict from a checkpoint, in this process (no process group):
+    for comparing final parameters."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "state.pt")
+        dcp_to_torch_save(str(path), out)
+        state = torch.load(out, weights_only=False)
+    return {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")} or state.get("model", {})

@@ -1,0 +1,135 @@
+"""Harness checkpoints (train/checkpoint.py): per-rank optimizer state survives DCP, a
+resumed run is bit-identical to an uninterrupted one, a truncated or foreign checkpoint is
+a clear error before any step, and the previous checkpoint still loads."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist import run_workers
+from thinwire.train.checkpoint import (CheckpointError, check, checkpoint_root, complete, expected_meta, latest,
+                                       read_model)
+from thinwire.train.config import get_preset
+from thinwire.train.run import compare
+
+TINY = dict(steps=8, eval_every=4, eval_rows=16, workers=2)
+
+
+def _apm_round_trip(rank: int, world: int, root: str):
+    from thinwire.train.checkpoint import load, save
+    from thinwire.train.model import build_model
+    from thinwire.train.optimizers import get_optimizer
+    cfg = get_preset("tiny", compressed_after=0.1, steps=10)
+    built = get_optimizer("apmsqueeze").build(build_model(cfg), cfg, 3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(built.optimizer, lambda s: 1.0)
+    torch.manual_seed(100 + rank)                      # every rank its own gradients: errors differ
+    for _ in range(4):
+        for p in built.model.parameters():
+            p.grad = torch.randn_like(p)
+        built.optimizer.step()
+        sched.step()
+    before = built.optimizer.worker_error.clone(), built.optimizer.server_error.clone()
+    meta = expected_meta(cfg, "apmsqueeze", 3e-3, world, built.model)
+    save(root, 4, built.model, built, sched, meta, rank)
+    fresh = get_optimizer("apmsqueeze").build(build_model(replace(cfg, seed=7)), cfg, 3e-3)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(fresh.optimizer, lambda s: 1.0)
+    step = load(latest(root), fresh.model, fresh, sched2, rank)
+    after = fresh.optimizer.worker_error, fresh.optimizer.server_error
+    same_params = all(torch.equal(a, b) for a, b in zip(built.model.parameters(), fresh.model.parameters()))
+    return step, before, [t.clone() for t in after], same_params, sched2.last_epoch
+
+
+def test_every_ranks_error_feedback_survives_a_dcp_round_trip(tmp_path):
+    """The DeepSpeed 1-bit Adam bug: DCP keeps one copy of a value saved under one key on every
+    rank. Per-rank keys keep rank 1's APMSqueeze error buffers as rank 1 wrote them."""
+    results = run_workers(_apm_round_trip, 2, args=(str(tmp_path),))
+    for step, before, after, same_params, epoch in results:
+        assert step == 4 and same_params and epoch == 4
+        assert all(torch.equal(b, a) for b, a in zip(before, after))
+    (w0, s0), (w1, s1) = results[0][1], results[1][1]
+    assert w1.abs().sum() > 0 and not torch.equal(w0, w1)     # rank 1's own errors, not rank 0's
+    assert not torch.equal(s0, s1)
+
+
+def _run(out: Path, every: int = 4, **over) -> None:
+    cfg = get_preset("tiny", **{**TINY, **over})
+    compare(cfg, ["demo"], out_dir=str(out), quiet=True, show=False, checkpoint=True, checkpoint_every=every)
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """A run written to the end, and the same run resumed from its step-4 checkpoint."""
+    base = tmp_path_factory.mktemp("ckpt")
+    whole, resumed = base / "whole", base / "resumed"
+    _run(whole)
+    shutil.copytree(whole, resumed)
+    shutil.rmtree(checkpoint_root(resumed) / "step-000008")
+    _run(resumed)
+    return whole, resumed
+
+
+def test_resume_continues_bit_for_bit(interrupted, capsys):
+    whole, resumed = interrupted
+    a = read_model(checkpoint_root(whole) / "step-000008")
+    b = read_model(checkpoint_root(resumed) / "step-000008")
+    assert a.keys() == b.keys() and a
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    logs = [(p / "demo.jsonl").read_text() for p in (whole, resumed)]
+    strip = lambda text: [line for line in text.splitlines() if '"step_s"' not in line and '"final"' not in line]
+    assert [line.split('"step_s"')[0] for line in logs[0].splitlines() if '"kind": "step"' in line] == \
+           [line.split('"step_s"')[0] for line in logs[1].splitlines() if '"kind": "step"' in line]
+    assert strip(logs[0]) == strip(logs[1])                        # evals equal too, no duplicate steps
+
+
+def test_keeps_the_two_newest_complete_checkpoints(interrupted):
+    whole, _ = interrupted
+    assert [p.name for p in complete(checkpoint_root(whole))] == ["step-000004", "step-000008"]
+    assert not list(checkpoint_root(whole).glob("*.tmp"))
+
+
+def test_truncated_checkpoint_is_a_clear_error_and_the_previous_one_loads(interrupted, tmp_path, capsys):
+    whole, _ = interrupted
+    out = tmp_path / "run"
+    shutil.copytree(whole, out)
+    last = checkpoint_root(out) / "step-000008"
+    shard = last / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"step-000008 is corrupt: __1_0.distcp is 100 bytes.*previous "
+                                              r"checkpoint .*step-000004"):
+        _run(out)
+    shutil.rmtree(last)                                     # as the error says: the previous one then loads
+    _run(out)
+    assert "resuming demo from" in capsys.readouterr().err
+    a, b = read_model(checkpoint_root(whole) / "step-000008"), read_model(last)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_incompatible_checkpoint_names_what_differs(interrupted):
+    whole, _ = interrupted
+    path = latest(checkpoint_root(whole))
+    cfg = get_preset("tiny", **TINY)
+    check(path, expected_meta(cfg, "demo", 3e-3, 2))
+    with pytest.raises(CheckpointError, match=r"optimizer: checkpoint 'demo', this run 'lordo'"):
+        check(path, expected_meta(cfg, "lordo", 3e-3, 2))
+    with pytest.raises(CheckpointError, match=r"world size: checkpoint 2, this run 3.*workers: checkpoint 2"):
+        check(path, expected_meta(replace(cfg, workers=3), "demo", 3e-3, 3))
+    with pytest.raises(CheckpointError, match=r"n_embd: checkpoint 64, this run 128"):
+        check(path, expected_meta(replace(cfg, n_embd=128), "demo", 3e-3, 2))
+    check(path, expected_meta(replace(cfg, eval_every=2), "demo", 3e-3, 2))    # evaluation may change
+
+
+def test_cli_refuses_a_foreign_checkpoint_before_any_worker_starts(interrupted, tmp_path, capsys):
+    from thinwire.train.cli import main
+    whole, _ = interrupted
+    out = tmp_path / "run"
+    shutil.copytree(whole, out)
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--optimizer", "lordo", "--preset", "tiny", "--steps", "8", "--eval-every", "4",
+              "--eval-rows", "16", "--workers", "2", "--out", str(out), "--quiet"])
+    assert exc.value.code == 2
+    assert "optimizer: checkpoint 'demo', this run 'lordo'" in capsys.readouterr().err
