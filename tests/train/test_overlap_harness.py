@@ -1,0 +1,158 @@
+"""Issue 15 in the harness: --overlap and the "-overlap" entries, dense AdamW / Adam as torch
+DDP (bytes counted exactly, compute-only time measured with communication off, nothing of
+the run changed by that measurement), and the no-communication limit in every row."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from thinwire.train.cli import main
+from thinwire.train.config import get_preset
+from thinwire.train.model import build_model
+from thinwire.train.optimizers import OPTIMIZERS, get_optimizer
+from thinwire.train.report import add_limits, summarize
+
+V, C, T = 256, 64, 32                        # tiny preset: vocab, width, context (one block)
+N_PARAMS = V * C + T * C + 12 * C * C + 3 * C
+VARIANTS = ("demo", "ef21-muon", "apmsqueeze", "lordo", "diloco")
+STEPS = 20
+NAMES = ("adamw", "adamw-allreduce", "demo", "demo-overlap")
+
+
+def test_overlap_entries_and_refusals():
+    for name in VARIANTS:
+        spec = get_optimizer(f"{name}-overlap")
+        assert spec.overlap and not spec.dense and spec.can_overlap
+        assert spec.default_lr == get_optimizer(name).default_lr
+        assert spec.counterpart == get_optimizer(name).counterpart and spec.on_shards == get_optimizer(name).on_shards
+    assert not any(OPTIMIZERS[n].can_overlap for n in ("adamw", "adam", "powersgd"))
+    assert all(OPTIMIZERS[n].can_overlap for n in ("adamw-allreduce", "adam-allreduce", "muon", *VARIANTS))
+
+
+@pytest.mark.parametrize("name, message", [
+    ("powersgd", "--overlap: powersgd cannot overlap"),
+    ("adamw", "DDP overlaps its bucketed all-reduce with backward by itself; adamw-allreduce"),
+    ("adam", "--overlap: adam cannot overlap"),
+])
+def test_overlap_refused_before_spawning(name, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", "--preset", "tiny", "--overlap", "--optimizers", f"demo,{name}"])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_overlap_reaches_every_thinwire_optimizer():
+    cfg = get_preset("tiny")
+    for name in ("adamw-allreduce", "adam-allreduce", "muon", *VARIANTS):
+        assert get_optimizer(name).build(build_model(cfg), cfg, 1e-3).optimizer.overlap is False, name
+        on = get_optimizer(name).build(build_model(cfg), replace(cfg, overlap=True), 1e-3).optimizer
+        assert on.overlap is True, name
+        if name in VARIANTS:
+            assert get_optimizer(f"{name}-overlap").build(build_model(cfg), cfg, 1e-3).optimizer.overlap is True
+
+
+def _ddp_run(rank, world, calibrate: bool):
+    from thinwire.train.data import train_batch
+    from thinwire.train.worker import _timed_step
+    torch.manual_seed(0)
+    cfg = get_preset("tiny", workers=world)
+    ids = torch.randint(0, 256, (20_000,))
+    built = get_optimizer("adamw").build(build_model(cfg), cfg, 3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(built.optimizer, lambda s: 1.0)
+    compute = built.calibrate(lambda i: train_batch(ids, cfg, 100 + i, rank, world)) if calibrate else None
+    recs = [_timed_step(built, sched, *train_batch(ids, cfg, s, rank, world)) for s in range(3)]
+    params = torch.cat([p.detach().flatten() for p in built.model.module.parameters()])
+    return {"compute": compute, "recs": recs, "params": params, "totals": built.stats.state_dict()["totals"]}
+
+
+def test_ddp_bytes_exact_and_calibration_changes_nothing():
+    from tests.dist import run_workers
+    plain = run_workers(_ddp_run, 2, args=(False,))
+    calibrated = run_workers(_ddp_run, 2, args=(True,))
+    for rank in range(2):
+        assert torch.equal(plain[rank]["params"], calibrated[rank]["params"])     # the run is the same run
+        assert calibrated[rank]["compute"] > 0 and plain[rank]["compute"] is None
+        for rec in calibrated[rank]["recs"]:                                      # the fp32 gradient, ring W = 2
+            assert rec["payload_bytes"] == 4 * N_PARAMS and rec["link_bytes_sent"] == 4 * N_PARAMS
+            assert rec["comm_s"] == 0.0                                           # DDP waits inside backward
+        assert calibrated[rank]["totals"]["payload_bytes"] == 3 * 4 * N_PARAMS    # calibration sends nothing
+    assert torch.equal(calibrated[0]["params"], calibrated[1]["params"])
+
+
+def _step(step_s, comm_s):
+    return {"step_s": step_s, "comm_s": comm_s, "payload_bytes": 10, "link_bytes_sent": 10,
+            "link_bytes_received": 10, "collectives": 1}
+
+
+def test_limits_arithmetic():
+    evals = [{"step": 0, "val_loss": 5.0}, {"step": 2, "val_loss": 3.0}, {"step": 4, "val_loss": 2.0}]
+    ddp = {"steps": [_step(1.0, 0.0)] * 4, "evals": evals,
+           "final": {"compute_only_step_s": 0.25, "comm_stats": {"by_tag": {}}, "n_params": 1}}
+    ours = {"steps": [_step(0.5, 0.2)] * 4, "evals": evals, "final": None}
+    rows = [summarize("adamw", ddp, 2.5, 0.0), summarize("demo", ours, 2.5, 0.0)]
+    assert add_limits(rows) is rows[0]
+    a, d = rows
+    assert (a["steps_to_target"], a["compute_only_step_s"], a["no_comm_limit_s"]) == (4, 0.25, 1.0)
+    assert a["time_to_target_s"]["compute"] == pytest.approx(1.0)                 # calibrated compute drives models
+    assert a["time_to_target_s"]["10mbit"] == pytest.approx(4 * (0.25 + 80 / 10e6))
+    assert d["compute_only_step_s"] == pytest.approx(0.3) and d["no_comm_limit_s"] == pytest.approx(1.2)
+    assert d["dense_limit_s"] == 1.0 and d["ratio_to_dense_limit"] == pytest.approx(2.0)   # 4 x 0.5 s / 1.0 s
+    assert a["ratio_to_dense_limit"] == pytest.approx(4.0)
+    assert add_limits([d]) is None and d["ratio_to_dense_limit"] is None
+
+
+def _compare(out, names, *extra):
+    cmd = [sys.executable, "-m", "thinwire", "compare", "--preset", "tiny", "--workers", "2", "--steps", str(STEPS),
+           "--optimizers", ",".join(names), "--out", str(out), "--quiet", *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = {r["optimizer"]: r for r in json.loads((out / "summary.json").read_text())["runs"]}
+    steps = {n: [json.loads(li) for li in (out / f"{n}.jsonl").read_text().splitlines()] for n in names}
+    return rows, steps, done.stdout
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    both = _compare(tmp_path_factory.mktemp("both"), NAMES)
+    flag = _compare(tmp_path_factory.mktemp("flag"), ("demo",), "--overlap", "--target", "3.6")
+    return both, flag
+
+
+def test_rows_carry_the_limit(runs):
+    (rows, steps, stdout), _ = runs
+    assert "x dense AdamW's limit" in stdout and "| demo-overlap | yes |" in stdout and "| demo | no |" in stdout
+    limit = rows["adamw"]["no_comm_limit_s"]
+    assert limit == pytest.approx(rows["adamw"]["steps_to_target"] * rows["adamw"]["compute_only_step_s"])
+    final = next(r for r in steps["adamw"] if r["kind"] == "final")
+    assert rows["adamw"]["compute_only_step_s"] == final["compute_only_step_s"] > 0
+    for name, row in rows.items():
+        assert row["dense_limit_s"] == limit and row["dense_limit_of"] == "adamw"
+        measured = row["time_to_target_s"]["measured"]
+        assert row["ratio_to_dense_limit"] == (None if measured is None else pytest.approx(measured / limit))
+        assert row["overlap"] == name.endswith("-overlap")
+
+
+def test_ddp_and_allreduce_baselines(runs):
+    (rows, steps, _), _ = runs
+    dense = 4 * (N_PARAMS + 1 + 16 + 9)          # DenseAllReduce: the gradient and its float trailer
+    ar = [r for r in steps["adamw-allreduce"] if r["kind"] == "step"]
+    assert ar[0]["payload_bytes"] == dense + 8 and all(r["payload_bytes"] == dense for r in ar[1:])
+    ddp = [r for r in steps["adamw"] if r["kind"] == "step"]
+    assert all(r["payload_bytes"] == 4 * N_PARAMS and r["collectives"] >= 1 for r in ddp)
+    # the same AdamW on the same mean gradient: the same loss (up to fp32 summation order)
+    assert rows["adamw"]["val_loss"] == pytest.approx(rows["adamw-allreduce"]["val_loss"], rel=1e-3)
+
+
+def test_overlap_flag_equals_overlap_entry(runs):
+    (rows, steps, _), (flag_rows, flag_steps, _) = runs
+    assert flag_rows["demo"]["overlap"] is True
+    losses = lambda s: [r["loss"] for r in s if r["kind"] == "step"]            # noqa: E731
+    assert losses(flag_steps["demo"]) == losses(steps["demo-overlap"])              # bit for bit
+    assert losses(steps["demo"]) != losses(steps["demo-overlap"])                   # gradients one update late
+    assert losses(steps["demo"])[0] == losses(steps["demo-overlap"])[0]
+    assert rows["demo-overlap"]["val_loss"] == pytest.approx(rows["demo"]["val_loss"], rel=0.05)
+    # same bytes per step: overlap moves the wait, not the message
+    assert rows["demo-overlap"]["payload_bytes_per_step"] == rows["demo"]["payload_bytes_per_step"]
