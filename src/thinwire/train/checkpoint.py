@@ -14,7 +14,9 @@ A checkpoint is one DCP folder `<out>/checkpoint/step-NNNNNN/` holding
     server state on rank 0), the LR scheduler's state and the CPU (and CUDA) RNG state.
     A per-rank key is the point: DCP's planner keeps one copy of a value saved under the
     same key on every rank, which would silently replace every rank's error buffers by
-    rank 0's (DeepSpeed 1-bit Adam's bug);
+    rank 0's (DeepSpeed 1-bit Adam's bug). With an optimizer whose replicas differ between
+    syncs (LoRDO, DiLoCo) every rank's own parameters are saved there too: "model" holds
+    one replica;
   * "optim": under FSDP2 HSDP a plain torch optimizer's DTensor state, sharded
     (get_optimizer_state_dict), instead of per-rank bytes;
   * `thinwire.json` (rank 0): the step, optimizer, lr, world size, config, parameter shapes
@@ -128,6 +130,17 @@ def _shards_optimizer_as_dtensor(opt) -> bool:
     return not isinstance(opt, CommunicatingOptimizer)
 
 
+def _replicas_drift(opt) -> bool:
+    """Whether replicas differ between exchanges (LoRDO, DiLoCo: local steps between syncs):
+    then "model" holds one rank's copy, and every rank's own parameters go in its own key."""
+    from ..optim.diloco import PeriodicAveraging
+    return isinstance(opt, PeriodicAveraging)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
 def _rng_state() -> dict:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -144,6 +157,8 @@ def _state(model, built, sched, rank: int, with_optimizer: bool) -> dict:
         state["optim"] = get_optimizer_state_dict(model, opt)
     elif with_optimizer:
         mine["optimizer"] = opt.state_dict()           # flushes an exchange in flight
+    if with_optimizer and _replicas_drift(opt):
+        mine["params"] = {n: _local(p).detach().clone() for n, p in model.named_parameters()}
     buf = io.BytesIO()
     if with_optimizer:
         torch.save(mine, buf)
@@ -210,6 +225,10 @@ def load(path: str | os.PathLike, model, built, sched, rank: int) -> int:
     if isinstance(mine, io.BytesIO):           # DCP hands back torch.load of the bytes, or fills the buffer
         mine.seek(0)
         mine = torch.load(mine, weights_only=False)
+    if "params" in mine:                       # this rank's own replica (local steps since the last sync)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                _local(p).copy_(mine["params"][n])
     if "optimizer" in mine:
         built.optimizer.load_state_dict(mine["optimizer"])
     sched.load_state_dict(mine["scheduler"])

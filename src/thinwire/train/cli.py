@@ -32,6 +32,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency", help="per-collective latency for modelled time (default 1ms, or the --link delay)")
     p.add_argument("--target", type=float, help="target validation loss (default: dense baseline's final x 1.02)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--overlap", action="store_true", default=None, help=FIELD_HELP["overlap"])
     for name in _OVERRIDES:
         kind = float if name in _FLOATS else str if name in _STRINGS else int
         p.add_argument("--" + name.replace("_", "-"), type=kind, help=FIELD_HELP[name] + " (overrides the preset)")
@@ -64,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args):
     from .config import get_preset
-    return get_preset(args.preset, **{name: getattr(args, name) for name in _OVERRIDES})
+    return get_preset(args.preset, **{name: getattr(args, name) for name in _OVERRIDES},
+                      overlap=getattr(args, "overlap", None))
 
 
 def _train_or_compare(args) -> None:

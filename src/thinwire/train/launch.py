@@ -60,5 +60,16 @@ def init_from_env(timeout: float | None = None) -> tuple[int, int]:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout or DEFAULT_PEER_TIMEOUT))
+    wait = timedelta(seconds=timeout or DEFAULT_PEER_TIMEOUT)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store across restarts: without a prefix per attempt a
+        # restarted worker can read the dead group's gloo addresses and fail to connect.
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                              timeout=wait)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"thinwire/attempt_{attempt}/", store), rank=rank,
+                                world_size=world, timeout=wait)
+    else:
+        dist.init_process_group(backend, timeout=wait)
     return dist.get_rank(), dist.get_world_size()

@@ -22,7 +22,7 @@ from .config import TrainConfig, check_sites, parse_link
 from .data import check_corpus, load_corpus
 from .launch import launch
 from .optimizers import OPTIMIZERS, get_optimizer
-from .report import format_table, plot, read_log, summarize
+from .report import add_limits, format_table, plot, read_log, summarize
 from .worker import train_worker
 
 DEFAULT_LATENCY_S = 1e-3
@@ -33,7 +33,10 @@ def check_run(cfg: TrainConfig, optimizers: list[str], workers: int, data: str |
     if not optimizers:
         raise ValueError("give at least one optimizer")
     for name in optimizers:
-        get_optimizer(name)
+        spec = get_optimizer(name)
+        if cfg.overlap and not spec.can_overlap:
+            raise ValueError(f"--overlap: {name} cannot overlap ({_no_overlap(name)}); overlap applies to "
+                             f"thinwire optimizers")
     if len(set(optimizers)) != len(optimizers):
         raise ValueError(f"optimizers repeat a name: {optimizers}")
     if workers < 1:
@@ -52,6 +55,15 @@ def check_run(cfg: TrainConfig, optimizers: list[str], workers: int, data: str |
                                      f"site run it without --sites (or with --sites {workers})")
     train, val = load_corpus(data, cfg.vocab_size)
     check_corpus(train, val, cfg.context)
+
+
+def _no_overlap(name: str) -> str:
+    if name == "powersgd":
+        return "PyTorch's PowerSGD hook runs inside backward and the harness waits on it"
+    if name in ("adamw", "adam"):
+        return (f"torch DDP overlaps its bucketed all-reduce with backward by itself; {name}-allreduce, "
+                f"thinwire's DenseAllReduce, takes --overlap")
+    return "no overlap=True"
 
 
 def _link_context(link: str | None, workers: int, sites: int = 0):
@@ -141,9 +153,12 @@ def report(cfg: TrainConfig, logs: dict[str, dict], workers: int, out: Path, lat
     rows = []
     for name in optimizers:
         row = summarize(name, logs[name], target, latency_s, link_info)
+        spec = OPTIMIZERS.get(name)
         row.update(lr=logs[name].get("lr"), workers=workers, preset=cfg.name, config=cfg.__dict__.copy(),
-                   counterpart=OPTIMIZERS[name].counterpart if name in OPTIMIZERS else None)
+                   counterpart=spec.counterpart if spec else None,
+                   overlap=bool(spec and (spec.overlap or (cfg.overlap and spec.can_overlap))))
         rows.append(row)
+    add_limits(rows)
     table = format_table(rows, baseline)
     (out / "summary.json").write_text(json.dumps({"target_loss": target, "baseline": baseline,
                                                   "latency_s": latency_s, "sites": cfg.sites or None,

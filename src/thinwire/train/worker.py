@@ -83,8 +83,9 @@ def _record(stats, prefix: str = "") -> dict:
             prefix + "link_bytes_received": s.link_bytes_received, prefix + "collectives": s.collectives}
 
 
-def _timed_step(built, sched, x, y, fsdp=None) -> dict:
-    """One optimizer step; its loss, lr, wall time and time blocked in (inter-site) collectives."""
+def _timed_step(built, sched, x, y, fsdp=None, last: bool = False) -> dict:
+    """One optimizer step; its loss, lr, wall time and time blocked in (inter-site) collectives.
+    The last step also flushes an exchange left in flight (overlap=True), inside its time."""
     BLOCKED[0] = 0.0
     t0 = time.perf_counter()
     if not built.counts_itself:
@@ -94,6 +95,8 @@ def _timed_step(built, sched, x, y, fsdp=None) -> dict:
     loss = F.cross_entropy(built.model(x).flatten(0, 1), y.flatten())
     loss.backward()
     built.optimizer.step()
+    if last and hasattr(built.optimizer, "flush"):
+        built.optimizer.flush()
     built.optimizer.zero_grad(set_to_none=False)
     sched.step()
     if x.is_cuda:
@@ -137,10 +140,13 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
         if not done:
             val = evaluate(model, val_ids, starts, cfg, rank, world)
             _write(log, {"kind": "eval", "step": 0, "val_loss": val})
+        compute_only = None                         # DDP: compute-only s/step, communication off (ddp.py)
+        if built.calibrate is not None:
+            compute_only = built.calibrate(lambda i: tuple(t.to(device) for t in train_batch(train_ids, cfg, i, rank, world)))
         for step in range(done + 1, cfg.steps + 1):
             _maybe_die(rank, step)
             x, y = (t.to(device) for t in train_batch(train_ids, cfg, step - 1, rank, world))
-            rec = _timed_step(built, sched, x, y, fsdp)
+            rec = _timed_step(built, sched, x, y, fsdp, last=(step == cfg.steps))
             inter_steps.append((rec["payload_bytes"], rec["link_bytes_sent"], rec["link_bytes_received"]))
             _write(log, {"kind": "step", "step": step, **rec})
             bar.update(step, rec["loss"], built.stats.payload_bytes)
@@ -155,6 +161,8 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
         state_bytes = optimizer_state_bytes(built.optimizer)
         final = {"kind": "final", "comm_stats": built.stats.state_dict(), "val_loss": val,
                  "n_params": sum(p.numel() for p in model.parameters()), "optimizer_state_bytes": state_bytes}
+        if compute_only is not None:
+            final["compute_only_step_s"] = compute_only
         if tiers is not None:
             final["tiers"] = _gather_tiers(tiers, world, state_bytes, inter_steps)
         _write(log, final)
@@ -227,10 +235,11 @@ def _kept(record: dict, done: int) -> bool:
 
 def _maybe_die(rank: int, step: int) -> None:
     """Fault injection for tests: THINWIRE_DIE_AT="rank:step" SIGKILLs that rank as it starts
-    that step, on a first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT unset or 0)."""
+    that step ("rank:step:stop" SIGSTOPs it: a silent peer), on a first attempt only
+    (torchrun's TORCHELASTIC_RESTART_COUNT unset or 0)."""
     spec = os.environ.get("THINWIRE_DIE_AT")
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
-    who, _, when = spec.partition(":")
+    who, when, *how = spec.split(":")
     if int(who) == rank and int(when) == step:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if how == ["stop"] else signal.SIGKILL)

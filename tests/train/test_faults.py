@@ -1,0 +1,127 @@
+"""Faults on real processes (issue 16): a worker SIGKILLed under `torchrun --max-restarts 1`
+is restarted with its group, which resumes from the last checkpoint and ends with the same
+parameters as a run never interrupted (bit for bit); a worker that dies or goes silent with
+nothing to restart it makes every survivor exit with an error naming the step, within the
+peer timeout; a truncated checkpoint is a clear error naming the previous one, which reads.
+
+Faults are injected by THINWIRE_DIE_AT="rank:step[:stop]" (train/worker.py): that rank
+SIGKILLs (or SIGSTOPs) itself as it starts that step, on torchrun's first attempt only.
+DeMo and one optimizer of each other family: APMSqueeze, EF21-Muon, LoRDO.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from thinwire.train.checkpoint import CheckpointError, check, checkpoint_root, expected_meta, latest, read_model
+from thinwire.train.config import get_preset
+
+OPTIMIZERS = ["demo", "apmsqueeze", "ef21-muon", "lordo"]
+ARGS = ["--preset", "tiny", "--steps", "8", "--eval-every", "4", "--eval-rows", "16", "--workers", "2",
+        "--sync-every", "3", "--quiet"]
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("THINWIRE_DIE_AT", "TORCHELASTIC_RESTART_COUNT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def _torchrun(out: Path, optimizer: str, restarts: int, env: dict) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", str(restarts), "--monitor-interval", "0.2",
+           "-m", "thinwire.train", "--optimizer", optimizer, *ARGS, "--out", str(out),
+           "--checkpoint-every", "4", "--peer-timeout", "20"]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_sigkill_under_torchrun_restarts_and_ends_bit_identical(optimizer, tmp_path):
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    runs = [_torchrun(whole, optimizer, 0, _env()), _torchrun(killed, optimizer, 1, _env(THINWIRE_DIE_AT="1:6"))]
+    outs = [p.communicate(timeout=240)[0] for p in runs]
+    for p, text in zip(runs, outs):
+        assert p.returncode == 0, text[-3000:]
+    assert "resuming" not in outs[0]
+    assert f"resuming {optimizer} from {checkpoint_root(killed) / 'step-000004'} (step 4 of 8)" in outs[1], outs[1]
+    a = read_model(checkpoint_root(whole) / "step-000008")
+    b = read_model(checkpoint_root(killed) / "step-000008")
+    assert a.keys() == b.keys() and a
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+    # a truncated checkpoint of this optimizer is a clear error; the previous one still reads
+    last = checkpoint_root(killed) / "step-000008"
+    shard = last / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    lr = get_preset("tiny").lr or None
+    meta = expected_meta(get_preset("tiny", steps=8, eval_every=4, eval_rows=16, workers=2, sync_every=3),
+                         optimizer, __import__("json").loads((last / "thinwire.json").read_text())["lr"], 2)
+    with pytest.raises(CheckpointError, match=r"corrupt: __0_0.distcp .* previous checkpoint .*step-000004"):
+        check(last, meta)
+    previous = checkpoint_root(killed) / "step-000004"
+    assert check(previous, meta)["step"] == 4 and read_model(previous).keys() == a.keys()
+    del lr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _workers(out: Path, optimizer: str, world: int, die: str, timeout: float) -> list[subprocess.Popen]:
+    """`world` workers as torchrun would start them, with no agent to restart (or kill) anyone."""
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = _env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), THINWIRE_DIE_AT=die)
+        cmd = [sys.executable, "-m", "thinwire.train", "--optimizer", optimizer, *ARGS, "--workers", str(world),
+               "--out", str(out), "--checkpoint-every", "4", "--peer-timeout", str(timeout)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_dead_peer_without_restarts_every_survivor_fails_clearly(optimizer, tmp_path):
+    procs = _workers(tmp_path, optimizer, 3, "1:6", timeout=20)
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert procs[1].returncode == -signal.SIGKILL
+    for rank in (0, 2):
+        assert procs[rank].returncode == 1, outs[rank][-3000:]
+        assert f"thinwire: error: rank {rank} of 3: step 6: a peer died or did not answer" in outs[rank], outs[rank]
+    root = checkpoint_root(tmp_path)
+    assert latest(root).name == "step-000004"                    # nothing after it, nothing half-written
+    assert not list(root.glob("*.tmp"))
+
+
+def test_silent_peer_fails_every_survivor_within_the_peer_timeout(tmp_path):
+    """A peer that stops answering (SIGSTOP) rather than dying: the survivors' collectives time
+    out after --peer-timeout seconds and each exits with the error, never hanging."""
+    timeout = 4.0
+    procs = _workers(tmp_path, "demo", 3, "1:6:stop", timeout=timeout)
+    try:
+        while not (tmp_path / "checkpoint" / "step-000004").exists():      # the peer stops right after this
+            assert procs[0].poll() is None, procs[0].communicate()[0]
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        for rank in (0, 2):
+            procs[rank].wait(timeout=timeout + 30)
+        waited = time.monotonic() - t0
+    finally:
+        procs[1].kill()
+    outs = [p.communicate()[0] for p in procs]
+    for rank in (0, 2):
+        assert procs[rank].returncode == 1, outs[rank][-3000:]
+        assert f"rank {rank} of 3: step 6: a peer died or did not answer within the peer timeout (4 s)" in outs[rank]
+    assert waited < timeout + 30
+    assert latest(checkpoint_root(tmp_path)).name == "step-000004"
