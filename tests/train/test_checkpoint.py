@@ -133,3 +133,20 @@ def test_cli_refuses_a_foreign_checkpoint_before_any_worker_starts(interrupted, 
               "--eval-rows", "16", "--workers", "2", "--out", str(out), "--quiet"])
     assert exc.value.code == 2
     assert "optimizer: checkpoint 'demo', this run 'lordo'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("optimizer", ["demo", "lordo", "adamw"])
+def test_resume_under_sites_is_bit_identical(optimizer, tmp_path):
+    """--sites 2 with 2 ranks per site: the model is saved as FSDP2 shards (HSDP AdamW's
+    state too), LoRDO's per-rank replicas as each rank's local shards."""
+    over = dict(steps=4, eval_every=2, workers=4, sites=2, sync_every=3)
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    cfg = get_preset("tiny", **{**TINY, **over})
+    compare(cfg, [optimizer], out_dir=str(whole), quiet=True, show=False, checkpoint=True, checkpoint_every=2)
+    shutil.copytree(whole, resumed)
+    shutil.rmtree(checkpoint_root(resumed) / "step-000004")
+    compare(cfg, [optimizer], out_dir=str(resumed), quiet=True, show=False, checkpoint=True, checkpoint_every=2)
+    a = read_model(checkpoint_root(whole) / "step-000004")
+    b = read_model(checkpoint_root(resumed) / "step-000004")
+    assert a.keys() == b.keys() and a
+    assert all(torch.equal(a[k], b[k]) for k in a)

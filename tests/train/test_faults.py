@@ -125,3 +125,27 @@ def test_silent_peer_fails_every_survivor_within_the_peer_timeout(tmp_path):
         assert f"rank {rank} of 3: step 6: a peer died or did not answer within the peer timeout (4 s)" in outs[rank]
     assert waited < timeout + 30
     assert latest(checkpoint_root(tmp_path)).name == "step-000004"
+
+
+def _train(out: Path, die: str | None = None) -> subprocess.CompletedProcess:
+    env = _env(**({"THINWIRE_DIE_AT": die} if die else {}))
+    cmd = [sys.executable, "-m", "thinwire", "train", "--optimizer", "demo", *ARGS, "--out", str(out),
+           "--checkpoint-every", "4"]
+    return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+
+
+def test_thinwire_train_killed_then_run_again_ends_bit_identical(tmp_path):
+    """The issue's acceptance run: `thinwire train ... --checkpoint-every N --out D`, a worker
+    killed mid-run, then the same command again: the final parameters of a run never killed."""
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert _train(whole).returncode == 0
+    first = _train(killed, die="1:6")
+    assert first.returncode == 1, first.stdout[-3000:]
+    assert "thinwire: error: worker 1 of 2 died (signal SIGKILL)" in first.stdout
+    assert "Run the same command again to resume" in first.stdout
+    again = _train(killed)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert "resuming demo from" in again.stdout and "(step 4 of 8)" in again.stdout
+    a = read_model(checkpoint_root(whole) / "step-000008")
+    b = read_model(checkpoint_root(killed) / "step-000008")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -148,10 +148,10 @@ def _rng_state() -> dict:
     return state
 
 
-def _state(model, built, sched, rank: int, with_optimizer: bool) -> dict:
+def _state(model, built, sched, rank: int, with_optimizer: bool, extra: dict | None = None) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     opt = built.optimizer
-    mine = {"scheduler": sched.state_dict(), "rng": _rng_state()}
+    mine = {"scheduler": sched.state_dict(), "rng": _rng_state(), "extra": extra or {}}
     state = {"model": get_model_state_dict(model)}
     if _shards_optimizer_as_dtensor(opt):
         state["optim"] = get_optimizer_state_dict(model, opt)
@@ -171,8 +171,10 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(root: str | os.PathLike, step: int, model, built, sched, meta: dict, rank: int, keep: int = 2) -> Path:
-    """Write step `step`'s checkpoint under `root` (every rank calls this); its final path."""
+def save(root: str | os.PathLike, step: int, model, built, sched, meta: dict, rank: int, keep: int = 2,
+         extra: dict | None = None) -> Path:
+    """Write step `step`'s checkpoint under `root` (every rank calls this); its final path.
+    `extra`: this rank's own picklable values (the loop's per-step byte counts), back from load()."""
     import torch.distributed.checkpoint as dcp
     root = Path(root)
     final, tmp = root / f"step-{step:06d}", root / f"step-{step:06d}.tmp"
@@ -180,7 +182,7 @@ def save(root: str | os.PathLike, step: int, model, built, sched, meta: dict, ra
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    dcp.save(_state(model, built, sched, rank, True), checkpoint_id=str(tmp))
+    dcp.save(_state(model, built, sched, rank, True, extra), checkpoint_id=str(tmp))
     _barrier()
     if rank == 0:
         files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
@@ -204,8 +206,9 @@ def _shapes_of(model, meta: dict) -> dict:
     return meta.get("params") or _shapes(model)
 
 
-def load(path: str | os.PathLike, model, built, sched, rank: int) -> int:
+def load(path: str | os.PathLike, model, built, sched, rank: int, extra: dict | None = None) -> int:
     """Restore model, this rank's optimizer state, scheduler and RNG from `path`; its step.
+    `extra` (a dict) is updated with what save() was given as this rank's `extra`.
     A checkpoint DCP cannot read raises CheckpointError on every rank."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
@@ -232,6 +235,8 @@ def load(path: str | os.PathLike, model, built, sched, rank: int) -> int:
     if "optimizer" in mine:
         built.optimizer.load_state_dict(mine["optimizer"])
     sched.load_state_dict(mine["scheduler"])
+    if extra is not None:
+        extra.update(mine.get("extra", {}))
     torch.set_rng_state(mine["rng"]["cpu"])
     if "cuda" in mine["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state(mine["rng"]["cuda"])

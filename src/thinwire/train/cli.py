@@ -95,6 +95,14 @@ def main(argv=None) -> None:
     except ValueError as err:          # user errors: one clear line, no traceback
         print(f"thinwire: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except RuntimeError as err:        # a worker killed: one line, and how to go on
+        from .launch import WorkerDied
+        if not isinstance(err, WorkerDied):
+            raise
+        again = (" Run the same command again to resume from the latest checkpoint in --out."
+                 if args.command == "train" and args.out else "")
+        print(f"thinwire: error: {err}.{again}", file=sys.stderr)
+        sys.exit(1)
 
 
 def _torchrun_checkpoint(args, cfg) -> str | None:

@@ -50,8 +50,16 @@ def launch(fn, workers: int, args: tuple = (), namespaces: list[str] | None = No
         raise ValueError(f"namespaces must name one namespace per worker ({workers}), got {len(namespaces)}")
     threads = max(1, (os.cpu_count() or 1) // workers)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(fn, workers, os.path.join(tmp, "rendezvous"), threads, args, namespaces, ifname,
-                               timeout or DEFAULT_PEER_TIMEOUT), nprocs=workers)
+        try:
+            mp.spawn(_entry, args=(fn, workers, os.path.join(tmp, "rendezvous"), threads, args, namespaces, ifname,
+                                   timeout or DEFAULT_PEER_TIMEOUT), nprocs=workers)
+        except mp.ProcessExitedException as err:       # killed (no traceback): say which and how
+            how = f"signal {err.signal_name}" if getattr(err, "signal_name", None) else f"exit code {err.exit_code}"
+            raise WorkerDied(f"worker {err.error_index} of {workers} died ({how}); the others were stopped") from err
+
+
+class WorkerDied(RuntimeError):
+    """A worker process was killed or exited without a Python error."""
 
 
 def init_from_env(timeout: float | None = None) -> tuple[int, int]:

@@ -133,7 +133,9 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
     resume = latest(checkpoint_dir) if checkpoint_dir else None
     if resume is not None:
         check(resume, meta)
-        done = step = load(resume, model, built, sched, rank)
+        saved = {}
+        done = step = load(resume, model, built, sched, rank, saved)
+        inter_steps = saved.get("inter_steps", [])
     log = _open_log(log_path, done) if rank == 0 else None
     bar = Progress(optimizer, cfg.steps, enabled=(rank == 0 and not quiet))
     try:
@@ -155,7 +157,7 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
                 _write(log, {"kind": "eval", "step": step, "val_loss": val})
                 bar.note(val)
             if checkpoint_dir and ((checkpoint_every and step % checkpoint_every == 0) or step == cfg.steps):
-                save(checkpoint_dir, step, model, built, sched, meta, rank)
+                save(checkpoint_dir, step, model, built, sched, meta, rank, extra={"inter_steps": inter_steps})
         if done >= cfg.steps:                      # resumed at the end: the final evaluation again
             val = evaluate(model, val_ids, starts, cfg, rank, world)
         state_bytes = optimizer_state_bytes(built.optimizer)
