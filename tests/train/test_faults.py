@@ -134,18 +134,47 @@ def _train(out: Path, die: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
 
 
-def test_thinwire_train_killed_then_run_again_ends_bit_identical(tmp_path):
+@pytest.fixture(scope="module")
+def never_killed(tmp_path_factory):
+    whole = tmp_path_factory.mktemp("whole")
+    assert _train(whole).returncode == 0
+    return read_model(checkpoint_root(whole) / "step-000008")
+
+
+def test_thinwire_train_killed_then_run_again_ends_bit_identical(never_killed, tmp_path):
     """The issue's acceptance run: `thinwire train ... --checkpoint-every N --out D`, a worker
     killed mid-run, then the same command again: the final parameters of a run never killed."""
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    assert _train(whole).returncode == 0
+    killed = tmp_path / "killed"
     first = _train(killed, die="1:6")
     assert first.returncode == 1, first.stdout[-3000:]
     assert "thinwire: error: worker 1 of 2 died (signal SIGKILL)" in first.stdout
+    assert "thinwire: error: rank 0 of 2: step 6: a peer died" in first.stdout      # the survivor's own error
     assert "Run the same command again to resume" in first.stdout
     again = _train(killed)
     assert again.returncode == 0, again.stdout[-3000:]
     assert "resuming demo from" in again.stdout and "(step 4 of 8)" in again.stdout
-    a = read_model(checkpoint_root(whole) / "step-000008")
     b = read_model(checkpoint_root(killed) / "step-000008")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert never_killed.keys() == b.keys() and all(torch.equal(never_killed[k], b[k]) for k in b)
+
+
+def test_killing_thinwire_train_itself_kills_its_workers_and_the_same_command_resumes(tmp_path):
+    """SIGKILL to the launcher: its workers die with it (no orphan keeps writing to --out) and
+    the same command again resumes from the last complete checkpoint and finishes."""
+    cmd = [sys.executable, "-m", "thinwire", "train", "--optimizer", "demo", *ARGS, "--steps", "40",
+           "--eval-every", "20", "--out", str(tmp_path), "--checkpoint-every", "4"]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while not (checkpoint_root(tmp_path) / "step-000004").exists():
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.02)
+    proc.kill()
+    proc.communicate()
+    time.sleep(1.0)
+    log = tmp_path / "demo.jsonl"
+    size = log.stat().st_size
+    time.sleep(1.5)
+    assert log.stat().st_size == size                                  # nobody is still training
+    assert not (checkpoint_root(tmp_path) / "step-000040").exists()
+    again = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert "resuming demo from" in again.stdout and "of 40)" in again.stdout
+    assert latest(checkpoint_root(tmp_path)).name == "step-000040"

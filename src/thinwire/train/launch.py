@@ -13,7 +13,10 @@ a collective whose peer died or went silent fails within it (--peer-timeout).
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import tempfile
+import time
 from datetime import timedelta
 
 import torch
@@ -27,6 +30,7 @@ DEFAULT_PEER_TIMEOUT = 120.0
 
 def _entry(rank: int, fn, world_size: int, rendezvous: str, threads: int, args: tuple,
            namespaces: list[str] | None, ifname: str | None, timeout: float = DEFAULT_PEER_TIMEOUT) -> None:
+    _die_with_parent()
     if namespaces:
         from .netns import enter_namespace
         enter_namespace(namespaces[rank])          # before gloo opens any socket
@@ -36,8 +40,24 @@ def _entry(rank: int, fn, world_size: int, rendezvous: str, threads: int, args: 
                             timeout=timedelta(seconds=timeout))
     try:
         fn(rank, world_size, *args)
+    except Exception as err:
+        if type(err).__name__ == "PeerFailure":      # worker.PeerFailure: one line per survivor
+            print(f"thinwire: error: {err}", file=sys.stderr, flush=True)
+            os._exit(1)                              # the group is broken: tearing it down could wait
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def _die_with_parent() -> None:
+    """Linux: this worker gets SIGKILL when the launcher dies (killing `thinwire train` kills
+    its workers, so a second run never shares --out with orphans of the first)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
 
 
 def launch(fn, workers: int, args: tuple = (), namespaces: list[str] | None = None,
@@ -49,13 +69,42 @@ def launch(fn, workers: int, args: tuple = (), namespaces: list[str] | None = No
     if namespaces is not None and len(namespaces) != workers:
         raise ValueError(f"namespaces must name one namespace per worker ({workers}), got {len(namespaces)}")
     threads = max(1, (os.cpu_count() or 1) // workers)
+    timeout = timeout or DEFAULT_PEER_TIMEOUT
     with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_entry, args=(fn, workers, os.path.join(tmp, "rendezvous"), threads, args,
+                                               namespaces, ifname, timeout), nprocs=workers, join=False,
+                                 start_method="spawn")
+        _wait_for_survivors(ctx.processes, timeout + SURVIVOR_GRACE_S)
         try:
-            mp.spawn(_entry, args=(fn, workers, os.path.join(tmp, "rendezvous"), threads, args, namespaces, ifname,
-                                   timeout or DEFAULT_PEER_TIMEOUT), nprocs=workers)
-        except mp.ProcessExitedException as err:       # killed (no traceback): say which and how
-            how = f"signal {err.signal_name}" if getattr(err, "signal_name", None) else f"exit code {err.exit_code}"
-            raise WorkerDied(f"worker {err.error_index} of {workers} died ({how}); the others were stopped") from err
+            while not ctx.join():
+                pass
+        except mp.ProcessExitedException as err:       # no Python error from this worker: say how it ended
+            codes = [p.exitcode for p in ctx.processes]
+            dead = [r for r, c in enumerate(codes) if c is not None and c < 0] or [err.error_index]
+            rank, code = dead[0], codes[dead[0]] if codes[dead[0]] is not None else err.exit_code
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            raise WorkerDied(f"worker {rank} of {workers} died ({how}); the other workers stopped (their errors, "
+                             f"if any, are above)") from err
+
+
+# Seconds beyond the peer timeout that survivors of a dead worker get to fail on their own.
+SURVIVOR_GRACE_S = 10.0
+
+
+def _wait_for_survivors(procs, grace: float) -> None:
+    """Wait for every worker; once one has been killed (a signal), the others get `grace`
+    seconds to fail on their own (their collectives raise PeerFailure, each printing its
+    line) before ProcessContext.join stops them."""
+    from multiprocessing.connection import wait
+    deadline = None
+    while True:
+        alive = [p for p in procs if p.exitcode is None]
+        failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+        if deadline is None and failed:          # a Python error: stop the others now, as mp.spawn does
+            deadline = time.monotonic() + (grace if any(c < 0 for c in failed) else 0.0)
+        if not alive or (deadline is not None and time.monotonic() > deadline):
+            return
+        wait([p.sentinel for p in alive], timeout=0.5)
 
 
 class WorkerDied(RuntimeError):
