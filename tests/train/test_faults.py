@@ -178,3 +178,13 @@ def test_killing_thinwire_train_itself_kills_its_workers_and_the_same_command_re
     assert again.returncode == 0, again.stdout[-3000:]
     assert "resuming demo from" in again.stdout and "of 40)" in again.stdout
     assert latest(checkpoint_root(tmp_path)).name == "step-000040"
+
+
+def test_only_collective_failures_count_as_dead_peers():
+    from thinwire.optim.protocol import NonFiniteGradientError, PeerMismatchError
+    from thinwire.train.worker import peer_failed
+    assert peer_failed(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
+    assert peer_failed(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 4000ms"))
+    assert not peer_failed(PeerMismatchError("peer 1 sent step 3, this rank expects step 4"))
+    assert not peer_failed(NonFiniteGradientError("non-finite gradients on rank 1"))
+    assert not peer_failed(ValueError("bad argument"))

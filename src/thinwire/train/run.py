@@ -99,7 +99,7 @@ def compare(cfg: TrainConfig, optimizers: list[str], workers: int | None = None,
         raise ValueError(f"--peer-timeout must be > 0 seconds, got {peer_timeout}")
     ckpt_dir = None
     if checkpoint and out_dir:
-        ckpt_dir = _checkpoint_dir(cfg, optimizers, workers, out_dir, checkpoint_every, lrs, show)
+        ckpt_dir = _checkpoint_dir(cfg, optimizers, workers, out_dir, checkpoint_every, lrs)
     elif checkpoint_every:
         raise ValueError("--checkpoint-every needs --out (checkpoints go to <out>/checkpoint/)")
     out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="thinwire-"))
@@ -120,7 +120,7 @@ def compare(cfg: TrainConfig, optimizers: list[str], workers: int | None = None,
     return report(cfg, logs, workers, out, latency_s, target, link_info, show)
 
 
-def _checkpoint_dir(cfg, optimizers, workers, out_dir, every, lrs, show) -> str:
+def _checkpoint_dir(cfg, optimizers, workers, out_dir, every, lrs) -> str:
     """<out>/checkpoint, after checking the latest checkpoint there (if any) can be resumed by
     this run: CheckpointError (a ValueError) naming what differs or is corrupt, before any
     worker starts."""

@@ -200,7 +200,11 @@ class PeerFailure(RuntimeError):
 
 
 def peer_failed(err: BaseException) -> bool:
-    """Whether `err` is a collective's failure (gloo/NCCL: peer gone, connection lost, timeout)."""
+    """Whether `err` is a collective's failure (gloo/NCCL: peer gone, connection lost, timeout),
+    not thinwire's own errors raised on every rank (mismatched peers, non-finite gradients)."""
+    from ..optim.protocol import NonFiniteGradientError, PeerMismatchError
+    if isinstance(err, (PeerMismatchError, NonFiniteGradientError)):
+        return False
     if isinstance(err, getattr(dist, "DistError", ())):
         return True
     text = str(err).lower()
