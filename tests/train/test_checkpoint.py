@@ -150,3 +150,17 @@ def test_resume_under_sites_is_bit_identical(optimizer, tmp_path):
     b = read_model(checkpoint_root(resumed) / "step-000004")
     assert a.keys() == b.keys() and a
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoints_do_not_change_the_run(interrupted, tmp_path):
+    """Writing checkpoints (a flush, state dicts, DCP) leaves the trajectory alone: the same
+    losses and validation losses as a run that writes none."""
+    import json
+    whole, _ = interrupted
+    compare(get_preset("tiny", **TINY), ["demo"], out_dir=str(tmp_path), quiet=True, show=False)
+
+    def trajectory(path):
+        recs = [json.loads(line) for line in (path / "demo.jsonl").read_text().splitlines()]
+        return [(r["kind"], r["step"], r.get("loss"), r.get("val_loss")) for r in recs if r["kind"] != "final"]
+
+    assert trajectory(whole) == trajectory(tmp_path)
