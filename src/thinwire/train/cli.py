@@ -39,10 +39,11 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .optimizers import OPTIMIZERS
     parser = argparse.ArgumentParser(prog="thinwire", description="Data-parallel training over slow links.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a small GPT on N gloo workers with one optimizer")
-    train.add_argument("--optimizer", default="demo", help="adamw, adam, muon, powersgd, demo, apmsqueeze, ef21-muon, lordo, diloco")
+    train.add_argument("--optimizer", default="demo", help=f"one of: {', '.join(OPTIMIZERS)}")
     _run_args(train)
     train.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                        help="checkpoint every N steps and at the end under <out>/checkpoint/ (0: only resume); "
@@ -51,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a collective waits this long for a silent peer before every survivor fails "
                             "(default 120)")
     comp = sub.add_parser("compare", help="train with several optimizers; print loss, bytes and time table")
-    comp.add_argument("--optimizers", default=DEFAULT_COMPARE, help=f"comma-separated, from: adamw, adam, muon, powersgd, demo, "
-                      f"apmsqueeze, ef21-muon, lordo, diloco (default {DEFAULT_COMPARE})")
+    comp.add_argument("--optimizers", default=DEFAULT_COMPARE,
+                      help=f"comma-separated, from: {', '.join(OPTIMIZERS)} (default {DEFAULT_COMPARE})")
     _run_args(comp)
     quick = sub.add_parser("quickrun", help="short DeMo run on N gloo worker processes; prints loss and bytes")
     quick.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
