@@ -84,6 +84,9 @@ REGISTRY: dict[str, Config] = {
                               lambda w, s: {"payload": prefix(s) + 2 * sum(s)}),
     # overlap=True: each exchange applied by the next step() (its bytes still leave at its own step)
     "demo-overlap": Config(lambda ps, **kw: thinwire.DeMo(ps, **DEMO, overlap=True, **kw), 1, None, 1),
+    # ... and between calls the parameters looked ahead by this rank's momentum (Psyche's correction)
+    "demo-lookahead": Config(lambda ps, **kw: thinwire.DeMo(ps, **DEMO, overlap=True, lookahead="momentum", **kw), 1,
+                             None, 1),
     "dense-adamw-overlap": Config(lambda ps, **kw: thinwire.DenseAllReduce(torch.optim.AdamW(ps, lr=1e-2),
                                                                            overlap=True, **kw), 1,
                                   lambda w, s: {"payload": dense_bytes(s, 4)}, 1),

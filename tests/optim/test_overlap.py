@@ -10,6 +10,12 @@ made between the two calls of the previous step, and must agree bit for bit. For
 exchanging every step that is the gradient at the parameters of two calls before; for
 LoRDO and DiLoCo, whose local steps are not delayed, only the gradient after a sync is taken
 at the pre-sync parameters.
+
+DeMo's lookahead takes each gradient where the rank's own estimate of the update in flight
+moves the parameters. With one rank, lookahead='message' estimates with the whole aggregate,
+so it is exact and the run must be DeMo without overlap, bit for bit, learning-rate schedule
+and weight decay included; so must lookahead='momentum' when top-k keeps every coefficient
+(fp32 values: the sent part is then the whole momentum, nothing stays behind).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import copy
 import pytest
 import torch
 
+import thinwire
 from tests.dist import run_workers
 from tests.optim import problem
 from tests.optim.registry import REGISTRY
@@ -55,7 +62,9 @@ def _late_gradient_reference(name: str, rank: int) -> torch.Tensor:
 
 
 def _both(rank: int, world: int) -> dict:
-    return {name: (_overlapped(name, rank), _late_gradient_reference(name, rank)) for name in PAIRS}
+    runs = {name: (_overlapped(name, rank), _late_gradient_reference(name, rank)) for name in PAIRS}
+    runs["demo-lookahead"] = (_overlapped("demo-lookahead", rank), _overlapped("demo-overlap", rank))
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +78,51 @@ def test_overlap_is_the_algorithm_with_each_exchange_applied_a_call_later(runs, 
         overlapped, reference = per_rank[name]
         assert torch.equal(overlapped, reference)
         assert not torch.equal(overlapped, problem.flat_params(problem.make_model()))   # it trained
+
+
+def test_lookahead_replicas_agree_after_flush_and_differ_from_plain_overlap(runs):
+    (rank0, plain0), (rank1, _) = runs[0]["demo-lookahead"], runs[1]["demo-lookahead"]
+    assert torch.equal(rank0, rank1)
+    assert not torch.equal(rank0, plain0)
+
+
+def _scheduled_run(base: str, steps: int = 8, **kw) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One process: DeMo with a decaying lr and weight decay; the gradients it was fed, and
+    its parameters after flush()."""
+    model = problem.make_model()
+    opt = thinwire.DeMo(model.parameters(), lr=0.01, chunk=16, base=base, weight_decay=0.1, **kw)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
+    grads = []
+    for step in range(steps):
+        problem.loss_on(model, *problem.batch(0, step)).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    opt.flush()
+    return grads, problem.flat_params(model)
+
+
+ONE_RANK_EXACT = [("message", dict(topk=8)), ("momentum", dict(topk=256, values="fp32")),
+                  ("momentum", dict(topk=256, values="fp32", momentum_domain="param"))]
+
+
+@pytest.mark.parametrize("base", ["signum", "sgd", "muon"])
+@pytest.mark.parametrize("form, kw", ONE_RANK_EXACT)
+def test_lookahead_with_one_rank_is_demo_without_overlap(base, form, kw):
+    grads, params = _scheduled_run(base, overlap=True, lookahead=form, **kw)
+    expected_grads, expected = _scheduled_run(base, **kw)
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads))
+    assert torch.equal(params, expected)
+    _, late = _scheduled_run(base, overlap=True, **kw)        # without the lookahead it is one step late
+    assert not torch.equal(late, expected)
+
+
+@pytest.mark.parametrize("kw, match", [(dict(lookahead="momentum"), "overlap=True"),
+                                       (dict(overlap=True, lookahead=True), "lookahead must be one of")])
+def test_lookahead_is_checked(kw, match):
+    with pytest.raises(ValueError, match=match):
+        thinwire.DeMo([torch.nn.Parameter(torch.zeros(3))], **kw)
 
 
 def test_overlap_must_be_a_bool():

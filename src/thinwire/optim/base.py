@@ -40,6 +40,7 @@ flag into the next exchange, where every rank raises together.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -84,11 +85,17 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
     where it stopped.
     """
 
-    def _init_comm(self, process_group, nonfinite: str = "raise", overlap: bool = False) -> None:
-        if not isinstance(overlap, bool):
-            raise ValueError(f"overlap must be True or False, got {overlap!r}")
+    def _init_comm(self, process_group, nonfinite: str = "raise", overlap: bool = False,
+                   lookahead: bool = False) -> None:
+        for name, value in (("overlap", overlap), ("lookahead", lookahead)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        if lookahead and not overlap:
+            raise ValueError("lookahead corrects overlap's one step of staleness: it needs overlap=True")
         self.nonfinite = check_nonfinite_policy(nonfinite)
-        self.overlap = overlap
+        self.overlap, self.lookahead = overlap, lookahead
+        self._looked_ahead: tuple | None = None  # (layout, saved parameters) while a lookahead is on
+        self._saved: list[torch.Tensor] = []     # reused copies of the parameters under a lookahead
         self.comm = Communicator(process_group)
         self._agreed: str | None = None          # the description all ranks last agreed on
         self._step = 0                           # steps taken (flagged ones included)
@@ -110,6 +117,15 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
 
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         raise NotImplementedError
+
+    def _discard(self, step: int, layout: list[Member], exchange) -> None:
+        """A flagged step is dropped on every rank: undo what `_encode` took out of local state
+        for the message (default: nothing)."""
+
+    def _estimate(self, step: int, layout: list[Member], exchange) -> None:
+        """lookahead: move the parameters by this rank's local estimate of the update its
+        exchange in flight will deliver (they are put back exactly before it lands)."""
+        raise NotImplementedError(f"{type(self).__name__} has no lookahead estimate")
 
     def _local_views(self, p: torch.Tensor) -> list[torch.Tensor]:
         """State of p kept outside self.state[p] that its step may change (default: none)."""
@@ -152,12 +168,13 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.comm.stats.begin_step()
         if self.overlap:                 # the previous step's exchange lands; this one's leaves
+            self._take_back_lookahead()
             try:
                 self.finish_step()
             except NonFiniteGradientError:
-                self.start_step()        # every call is a step: only the flagged one is lost
+                self._start_ahead()      # every call is a step: only the flagged one is lost
                 raise
-            self.start_step()
+            self._start_ahead()
         else:
             self.start_step()
             self.finish_step()
@@ -189,29 +206,57 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
         exchange.seal(step, (0 if finite else FLAG_NONFINITE) | self._carried, present)
         self._carried = 0
         exchange.start()
-        self._inflight = (step, layout, exchange, snapshot)
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        self._inflight = (step, layout, exchange, snapshot, hyper)
+
+    def _start_ahead(self) -> None:
+        """start_step(), then (lookahead=True) the parameters moved by this rank's estimate of
+        the update in flight, so the caller's next gradient is taken about where the
+        parameters will be when that update lands: Psyche's correction of its one-step
+        overlap. The exact parameters are saved first and put back before the next finish."""
+        self.start_step()
+        if not self.lookahead or self._inflight is None:
+            return
+        step, layout, exchange = self._inflight[:3]
+        if [s.shape for s in self._saved] != [m.param.shape for m in layout]:
+            self._saved = [torch.empty_like(m.param) for m in layout]
+        for m, saved in zip(layout, self._saved):
+            saved.copy_(m.param)
+        self._looked_ahead = layout
+        self._estimate(step, layout, exchange)
+
+    @torch.no_grad()
+    def _take_back_lookahead(self) -> None:
+        if self._looked_ahead is not None:
+            for m, saved in zip(self._looked_ahead, self._saved):
+                m.param.copy_(saved)
+            self._looked_ahead = None
 
     @torch.no_grad()
     def finish_step(self) -> None:
         """Complete the exchange started by start_step() and apply it (or raise / skip)."""
         if self._inflight is None:
             return
-        step, layout, exchange, snapshot = self._inflight
+        step, layout, exchange, snapshot, hyper = self._inflight
         self._inflight, self._step = None, step
         delivery = exchange.finish(step)
         try:
             if delivery.flagged:
+                self._discard(step, layout, exchange)
                 if self.nonfinite == "raise":
                     raise NonFiniteGradientError(
                         f"non-finite gradients on {delivery.flagged} at step {step}; no parameter was updated "
                         f"on any rank ({type(self).__name__}(nonfinite='skip') skips such steps instead)")
                 return
-            self._apply(step, layout, delivery)
+            with _hyperparameters(self.param_groups, hyper):     # a step lands with the lr it started with
+                self._apply(step, layout, delivery)
         finally:
             self._restore(layout, snapshot, delivery.present)
 
+    @torch.no_grad()
     def flush(self) -> None:
-        """Finish an exchange still in flight (a no-op when none is)."""
+        """Finish an exchange still in flight (a no-op when none is), lookahead taken back first."""
+        self._take_back_lookahead()
         self.finish_step()
 
     def _views(self, m: Member) -> list[torch.Tensor]:
@@ -241,6 +286,7 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
             self.comm.stats.load_state_dict(state_dict[STATS_KEY])
         self._step = int(state_dict.get(STEP_KEY, 0))
         self._agreed, self._carried, self._inflight = None, 0, None   # handshake again, with the loaded step
+        self._looked_ahead = None
 
     def state_dict(self):
         self.flush()
@@ -254,6 +300,19 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         keep_saved_dtypes(self, state_dict)
         self._load_envelope_state(envelope)
+
+
+@contextmanager
+def _hyperparameters(groups: list[dict], recorded: list[dict]):
+    """The param groups' settings as `recorded` (at start_step) inside, as they are now after."""
+    now = [{k: g[k] for k in h if k in g} for g, h in zip(groups, recorded)]
+    for g, h in zip(groups, recorded):
+        g.update(h)
+    try:
+        yield
+    finally:
+        for g, h in zip(groups, now):
+            g.update(h)
 
 
 def keep_saved_dtypes(opt: torch.optim.Optimizer, state_dict: dict) -> None:

@@ -50,6 +50,7 @@ from .shards import is_sharded, own_rows, whole
 BASES = ("signum", "sgd", "muon")
 DOMAINS = ("auto", "param", "transform")
 MOMENTUM_FORMS = ("ema", "reference")
+LOOKAHEADS = ("none", "momentum", "message")
 _WIRE_KEYS = ("topk", "chunk", "transform", "values", "seed", "aggregate", "base", "momentum_domain", "momentum_form")
 
 
@@ -153,6 +154,16 @@ class DeMo(CommunicatingOptimizer):
             step's gradient in their momentum (to be sent later).
         overlap: False (default) blocks in step() until the exchange completes; True leaves it
             in flight until the next step() (one step of staleness; `thinwire.optim.base`).
+        lookahead: with overlap, where each gradient is taken. 'none' (default): at θ, one
+            update behind. 'momentum' (Psyche's correction of its one-step overlap): between
+            step() calls the parameters stand at θ(1 − ηλ) − η φ(M_i + α T⁻¹(Q̂_i)), moved by
+            this rank's whole momentum before the subtraction, an estimate of the update in
+            flight. 'message': at θ(1 − ηλ) − η φ(T⁻¹(Q̂_i)), its own message standing in for
+            the mean (exactly DeMo without overlap with one rank). The exact θ is restored
+            before the update lands, so replicas stay bit-identical; costs one copy of the
+            parameters, and the caller sees (and evaluates) the moved ones until `flush()`.
+            On `wan` (2 ranks, signum, 600 steps) DeMo ends +8.2 % above DeMo without overlap
+            with 'none', +2.2 % with 'message', +1.1 % with 'momentum'.
         process_group: torch.distributed group (default: world; none needed for one process).
     A rank without a gradient for a parameter that another rank has one for counts it as
     zero (its momentum decays); a parameter with a gradient on no rank does not move.
@@ -161,13 +172,17 @@ class DeMo(CommunicatingOptimizer):
     def __init__(self, params, lr: float = 1e-3, beta: float = 0.999, alpha: float = 1.0, topk: int = 32,
                  chunk: int = 64, transform: str = "dct", base: str = "signum", weight_decay: float = 0.0,
                  values: str = "bf16", aggregate: str = "mean", momentum_domain: str = "auto", seed: int = 0,
-                 nonfinite: str = "raise", momentum_form: str = "ema", process_group=None, overlap: bool = False):
+                 nonfinite: str = "raise", momentum_form: str = "ema", process_group=None, overlap: bool = False,
+                 lookahead: str = "none"):
         defaults = dict(lr=lr, beta=beta, alpha=alpha, topk=topk, chunk=chunk, transform=transform, base=base,
                         weight_decay=weight_decay, values=values, aggregate=aggregate,
                         momentum_domain=momentum_domain, momentum_form=momentum_form, seed=seed)
         _check_group(defaults)
         super().__init__(params, defaults)
-        self._init_comm(process_group, nonfinite, overlap)
+        if lookahead not in LOOKAHEADS:
+            raise ValueError(f"lookahead must be one of {LOOKAHEADS}, got {lookahead!r}")
+        self._init_comm(process_group, nonfinite, overlap, lookahead != "none")
+        self.lookahead_form = lookahead
         self._compressors: dict[tuple, ChunkedTopK] = {}
         self._message = GatherAll(self.comm)
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None   # reused transform scratch
@@ -226,7 +241,9 @@ class DeMo(CommunicatingOptimizer):
         return self._buffers
 
     def _encode(self, step: int, layout: list[Member], exchange: GatherAll) -> None:
-        """M ← βM + w·g (w: `gradient_weight`), then each parameter's top-k payload into the message."""
+        """M ← βM + w·g (w: `gradient_weight`), each parameter's top-k payload into the message,
+        then M ← M − α·T⁻¹(Q̂_i): the sent part, as the wire delivers it, leaves M now (it is
+        known before any peer answers), so the next step's encode never waits for this exchange."""
         slots = self._slots(layout)
         a, b = self._scratch(slots)
         payload = exchange.payload
@@ -240,31 +257,76 @@ class DeMo(CommunicatingOptimizer):
                     comp.transform.forward_image(plan.transform_input(p.grad, a), plan, step, out=m, scratch=b,
                                                  beta=beta, alpha=weight)
                 comp.write(comp.select(m, p.shape, scratch=a), p.shape, out=out)
+            else:
+                m.mul_(beta)                                # M ← βM + w·g
+                if p.grad is not None:
+                    m.add_(p.grad, alpha=weight)
+                image = comp.transform.forward_image(plan.transform_input(m, a), plan, step, out=plan.matrix_in(a),
+                                                     scratch=b)
+                comp.write(comp.select(image, p.shape, scratch=b), p.shape, out=out)
+            self._subtract_sent(step, group, p, comp, m, out, -group["alpha"], (a, b))
+
+    def _subtract_sent(self, step: int, group: dict, p, comp: ChunkedTopK, m: torch.Tensor, out: torch.Tensor,
+                       alpha: float, scratch: tuple[torch.Tensor, torch.Tensor], padding: bool = True) -> None:
+        """M ← M + alpha·T⁻¹(Q̂_i), Q̂_i read back from this rank's own payload bytes `out`."""
+        own = comp.read(Payload.from_buffer(out, comp.payload_spec(p.shape)), p.shape)
+        if momentum_in_transform(group):                    # sparse: no transform needed
+            comp.scatter(m, own, p.shape, alpha=alpha)
+            plan = comp.plan(p.shape)
+            if padding and plan.padded:       # what the message puts in the padding is dropped, as the param domain crops it
+                comp.transform.zero_padding_(m, plan, step)
+        else:
+            a, b = scratch
+            m.add_(comp.aggregate([own], p.shape, step, out=a, scratch=b), alpha=alpha)
+
+    def _discard(self, step: int, layout: list[Member], exchange: GatherAll) -> None:
+        """A flagged step: what this rank sent goes back into M (M ← M + α·T⁻¹(Q̂_i)), to be sent later."""
+        slots = self._slots(layout)
+        scratch = self._scratch(slots)
+        for group, p, comp, offset, n, key in slots:
+            self._subtract_sent(step, group, p, comp, self.state[key]["momentum"],
+                                exchange.payload[offset: offset + n], group["alpha"], scratch)
+
+    def _estimate(self, step: int, layout: list[Member], exchange: GatherAll) -> None:
+        """Overlap's lookahead, this rank's estimate of the update in flight:
+        'message':  θ ← θ(1 − ηλ) − η φ(T⁻¹(Q̂_i))      its own message for the mean (`_apply`'s
+                                                         arithmetic: exact with one rank)
+        'momentum': θ ← θ(1 − ηλ) − η φ(M_i + α T⁻¹(Q̂_i))  its whole momentum before the
+                                                         subtraction (Psyche's sign(δ))"""
+        slots, present = self._slots(layout), self._presence(layout)
+        if self.lookahead_form == "message":
+            self._update(step, slots, exchange.payload.unsqueeze(0), present)
+            return
+        a, b = self._scratch(slots)
+        for (group, p, comp, offset, n, key), here in zip(slots, present):
+            if not here:
                 continue
-            m.mul_(beta)                                    # M ← βM + w·g
-            if p.grad is not None:
-                m.add_(p.grad, alpha=weight)
-            image = comp.transform.forward_image(plan.transform_input(m, a), plan, step, out=plan.matrix_in(a), scratch=b)
-            comp.write(comp.select(image, p.shape, scratch=b), p.shape, out=out)
+            m, plan = self.state[key]["momentum"], comp.plan(p.shape)
+            if momentum_in_transform(group):                # T⁻¹ of the whole image [R, C], cropped
+                image = plan.matrix_in(a).copy_(m)
+                self._subtract_sent(step, group, p, comp, image, exchange.payload[offset: offset + n],
+                                    group["alpha"], (a, b), padding=False)     # sparse: no scratch used
+                full = plan.crop(comp.transform.inverse_image(image, plan, step, scratch=b))
+            else:
+                full = m.clone()
+                self._subtract_sent(step, group, p, comp, full, exchange.payload[offset: offset + n],
+                                    group["alpha"], (a, b))
+            if group["weight_decay"]:
+                p.mul_(1.0 - group["lr"] * group["weight_decay"])
+            apply_base(p, full, group, key)
 
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
-        slots = self._slots(layout)
+        self._update(step, self._slots(layout), delivery.data, delivery.present.tolist())
+
+    def _update(self, step: int, slots: list[Slot], gathered: torch.Tensor, present: list) -> None:
+        """Δ = T⁻¹(aggregate of the payload rows of `gathered` [ranks, payload bytes]); θ ← θ(1 − ηλ) − η φ(Δ)."""
         a, b = self._scratch(slots)
-        gathered = delivery.data                                                # [world, payload bytes]
-        for (group, p, comp, offset, n, key), anywhere in zip(slots, delivery.present.tolist()):
+        for (group, p, comp, offset, n, key), anywhere in zip(slots, present):
             if not anywhere:
                 continue
             spec = comp.payload_spec(p.shape)
             reads = [comp.read(Payload.from_buffer(gathered[r, offset: offset + n], spec), p.shape)
                      for r in range(gathered.shape[0])]                       # validated, rank order
-            m, own = self.state[key]["momentum"], reads[self.comm.rank]
-            if momentum_in_transform(group):                # M ← M − α·(what the wire delivered of ours)
-                comp.scatter(m, own, p.shape, alpha=-group["alpha"])       # sparse: no transform needed
-                plan = comp.plan(p.shape)
-                if plan.padded:   # what the message puts in the padding is dropped, as the param domain crops it
-                    comp.transform.zero_padding_(m, plan, step)
-            else:
-                m.sub_(comp.aggregate([own], p.shape, step, out=a, scratch=b), alpha=group["alpha"])
             delta = comp.aggregate(reads, p.shape, step, group["aggregate"], out=a, scratch=b)
             if group["weight_decay"]:                       # θ ← θ(1 − ηλ)
                 p.mul_(1.0 - group["lr"] * group["weight_decay"])

@@ -151,6 +151,8 @@ def _rng_state() -> dict:
 def _state(model, built, sched, rank: int, with_optimizer: bool, extra: dict | None = None) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     opt = built.optimizer
+    if with_optimizer and hasattr(opt, "flush"):
+        opt.flush()             # the in-flight update applied (and a lookahead taken back) before the model is read
     mine = {"scheduler": sched.state_dict(), "rng": _rng_state(), "extra": extra or {}}
     state = {"model": get_model_state_dict(model)}
     if _shards_optimizer_as_dtensor(opt):

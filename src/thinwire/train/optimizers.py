@@ -35,6 +35,7 @@ before any worker starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Callable
 
 import torch
@@ -134,10 +135,10 @@ def _muon(model, cfg, lr, group=None):
     return _wrap(DenseAllReduce(inner, process_group=group, overlap=_ov(cfg)), model)
 
 
-def _demo(model, cfg, lr, group=None):
+def _demo(model, cfg, lr, group=None, lookahead: str = "none"):
     return _wrap(DeMo(model.parameters(), lr=lr, topk=cfg.topk, chunk=cfg.chunk, alpha=cfg.alpha,
                       beta=cfg.beta, values=cfg.values, momentum_form=cfg.momentum_form, weight_decay=0.0,
-                      process_group=group, overlap=_ov(cfg)), model)
+                      process_group=group, overlap=_ov(cfg) or lookahead != "none", lookahead=lookahead), model)
 
 
 def _apmsqueeze(model, cfg, lr, group=None):
@@ -241,3 +242,7 @@ def _overlap_variant(base: OptimizerSpec) -> OptimizerSpec:
 
 for _name in ("demo", "ef21-muon", "apmsqueeze", "lordo", "diloco"):
     register(_overlap_variant(OPTIMIZERS[_name]))
+register(OptimizerSpec("demo-lookahead", partial(_demo, lookahead="momentum"), dict(OPTIMIZERS["demo"].default_lr),
+                       description=f"{OPTIMIZERS['demo'].description}, overlap=True, lookahead='momentum' (each "
+                                   "gradient taken where this rank's momentum moves the parameters: Psyche's correction)",
+                       counterpart=OPTIMIZERS["demo"].counterpart, on_shards=True, overlap=True))
