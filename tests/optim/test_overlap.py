@@ -34,18 +34,25 @@ STEPS = 10
 PAIRS = {name: name.removesuffix("-overlap") for name in REGISTRY if name.endswith("-overlap")}
 
 
-def _overlapped(name: str, rank: int) -> torch.Tensor:
+def _drop_on_odd_steps(model, step: int, drop: bool) -> None:
+    """A parameter with a gradient on no rank every other step (it must then not move)."""
+    if drop and step % 2:
+        model[2].bias.grad = None
+
+
+def _overlapped(name: str, rank: int, drop: bool = False) -> torch.Tensor:
     model = problem.make_model()
     opt = REGISTRY[name].build(list(model.parameters()))
     for step in range(STEPS):
         problem.loss_on(model, *problem.batch(rank, step)).backward()
+        _drop_on_odd_steps(model, step, drop)
         opt.step()
         opt.zero_grad()
     opt.flush()
     return problem.flat_params(model)
 
 
-def _late_gradient_reference(name: str, rank: int) -> torch.Tensor:
+def _late_gradient_reference(name: str, rank: int, drop: bool = False) -> torch.Tensor:
     model = problem.make_model()
     opt = REGISTRY[PAIRS[name]].build(list(model.parameters()))
     seen = copy.deepcopy(model)                  # the parameters the overlapped caller sees
@@ -54,6 +61,7 @@ def _late_gradient_reference(name: str, rank: int) -> torch.Tensor:
         problem.loss_on(seen, *problem.batch(rank, step)).backward()
         for p, q in zip(model.parameters(), seen.parameters()):
             p.grad = q.grad.clone()
+        _drop_on_odd_steps(model, step, drop)
         opt.start_step()
         seen = copy.deepcopy(model)              # this step started, its exchange not yet applied
         opt.finish_step()
@@ -64,6 +72,8 @@ def _late_gradient_reference(name: str, rank: int) -> torch.Tensor:
 def _both(rank: int, world: int) -> dict:
     runs = {name: (_overlapped(name, rank), _late_gradient_reference(name, rank)) for name in PAIRS}
     runs["demo-lookahead"] = (_overlapped("demo-lookahead", rank), _overlapped("demo-overlap", rank))
+    runs["demo-overlap, bias without gradient on odd steps"] = (_overlapped("demo-overlap", rank, drop=True),
+                                                                _late_gradient_reference("demo-overlap", rank, drop=True))
     return runs
 
 
@@ -72,7 +82,7 @@ def runs():
     return run_workers(_both, 2, timeout=600)
 
 
-@pytest.mark.parametrize("name", sorted(PAIRS))
+@pytest.mark.parametrize("name", [*sorted(PAIRS), "demo-overlap, bias without gradient on odd steps"])
 def test_overlap_is_the_algorithm_with_each_exchange_applied_a_call_later(runs, name):
     for per_rank in runs:
         overlapped, reference = per_rank[name]

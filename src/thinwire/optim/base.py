@@ -20,16 +20,22 @@ What the algorithm supplies: `_describe(layout)` (what every rank must share),
 `_apply(step, layout, delivery)`, and optionally `_local_views(p)` (state of p kept outside
 self.state[p]) and `_presence(layout)`.
 
-Overlap (`overlap=True`, optimizers that exchange every step): `step()` first finishes and
-applies the previous step's exchange, then encodes this step's message and leaves its
-exchange in flight while the caller runs the next forward and backward. Every gradient is
-thus taken one update late (at parameters that do not yet include the previous step's
-update), the same on every rank, so replicas stay bit-identical; the algorithm's state
-advances exactly as without overlap (apply of step t−1, then encode of step t). A flagged
-step is reported by the next `step()` call, which still sends its own step before raising,
-so only the flagged step is lost, as without overlap. `flush()` (and
-`state_dict()`, which calls it) applies the step in flight now, so a checkpoint holds no
-pending message and a resumed run continues exactly as the run that wrote it.
+Overlap (`overlap=True`, optimizers that exchange every step): `step()` finishes and applies
+the previous step's exchange, encodes this step's message and leaves its exchange in flight
+while the caller runs the next forward and backward. Every gradient is thus taken one update
+late (at parameters that do not yet include the previous step's update), the same on every
+rank, so replicas stay bit-identical; the algorithm's state advances exactly as without
+overlap (apply of step t−1, then encode of step t). An algorithm whose encode never reads the
+parameters and whose apply never touches its state (`EARLY_START`, DeMo) encodes and sends
+step t *before* applying t − 1, with the same result, so its exchange is in flight during the
+whole of the caller's compute and its own apply and lookahead. Each step is applied with the
+hyperparameters (lr, ...) it was started with. A lookahead (`lookahead`, DeMo) moves the
+parameters by the rank's own estimate of the update in flight until it lands (`_estimate`;
+the exact ones are saved and put back first). A flagged step is reported by the next
+`step()` call, which still sends its own step before raising, so only the flagged step is
+lost, as without overlap. `flush()` (and `state_dict()`, which calls it) applies the step in
+flight now, so a checkpoint holds no pending message and a resumed run continues exactly as
+the run that wrote it.
 
 Non-finite gradients, the same on every optimizer: on a flagged step no parameter moves and
 no state is committed by `_apply` on any rank; what a healthy rank's `_encode` folded into
@@ -103,6 +109,10 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
         self._inflight = None
 
     # ---- what the algorithm supplies ------------------------------------------------------
+    EARLY_START = False
+    """True when `_encode` never reads the parameters nor `_apply` the state, and `_exchange`
+    alternates two exchanges by step parity: overlap then sends step t before applying t − 1."""
+
     def _describe(self, layout: list[Member]) -> str:
         raise NotImplementedError
 
@@ -167,27 +177,52 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.comm.stats.begin_step()
-        if self.overlap:                 # the previous step's exchange lands; this one's leaves
-            self._take_back_lookahead()
+        if self.overlap:
+            self._overlapped_step()
+        else:
+            self.start_step()
+            self.finish_step()
+        return loss
+
+    def _overlapped_step(self) -> None:
+        """The previous step's exchange lands and this one's leaves. In that order by default;
+        an algorithm with EARLY_START encodes and sends this step first, so the exchange in
+        flight also overlaps the apply of the previous one (two briefly in flight)."""
+        self._take_back_lookahead()
+        if not (self.EARLY_START and self._inflight is not None):
             try:
                 self.finish_step()
             except NonFiniteGradientError:
                 self._start_ahead()      # every call is a step: only the flagged one is lost
                 raise
             self._start_ahead()
-        else:
-            self.start_step()
+            return
+        previous, self._inflight = self._inflight, None
+        self._start(previous[0])
+        current, self._inflight = self._inflight, previous
+        try:
             self.finish_step()
-        return loss
+        finally:
+            self._inflight = current
+            if current is not None:      # its absent parameters' snapshot: as the previous apply left them
+                _step, layout, _exchange, snapshot, _hyper = current
+                for m in layout:
+                    if m.key in snapshot:
+                        snapshot[m.key][0].copy_(m.param)
+            self._look_ahead()
 
     @torch.no_grad()
     def start_step(self) -> None:
         """This step's local update and message, and its exchange started (not waited for)."""
         if self._inflight is not None:
             raise RuntimeError("the previous step's exchange is still in flight: call finish_step() first")
+        self._start(self._step)
+
+    def _start(self, done: int) -> None:
+        """start_step() after `done` steps (the last one possibly still in flight)."""
         layout = self.layout()
-        self._agree(self._describe(layout), f"step={self._step}")
-        step, present = self._step + 1, self._presence(layout)
+        self._agree(self._describe(layout), f"step={done}")
+        step, present = done + 1, self._presence(layout)
         finite = all_finite(m.param.grad for m in layout if m.param.grad is not None)
         exchange = self._exchange(step, layout)
         self._prepare(step, layout)
@@ -215,6 +250,9 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
         parameters will be when that update lands: Psyche's correction of its one-step
         overlap. The exact parameters are saved first and put back before the next finish."""
         self.start_step()
+        self._look_ahead()
+
+    def _look_ahead(self) -> None:
         if not self.lookahead or self._inflight is None:
             return
         step, layout, exchange = self._inflight[:3]

@@ -184,8 +184,10 @@ class DeMo(CommunicatingOptimizer):
         self._init_comm(process_group, nonfinite, overlap, lookahead != "none")
         self.lookahead_form = lookahead
         self._compressors: dict[tuple, ChunkedTopK] = {}
-        self._message = GatherAll(self.comm)
+        self._messages = (GatherAll(self.comm), GatherAll(self.comm))    # by step parity: EARLY_START
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None   # reused transform scratch
+
+    EARLY_START = True            # encode: gradients into M only; apply: Δ into θ only
 
     def add_param_group(self, param_group: dict) -> None:
         _check_group({**self.defaults, **param_group})
@@ -216,8 +218,9 @@ class DeMo(CommunicatingOptimizer):
     def _exchange(self, step: int, layout: list[Member]) -> GatherAll:
         slots = self._slots(layout)
         nbytes = sum(s.nbytes for s in slots)
-        self._message.resize(len(layout), nbytes, layout[0].param.device)
-        return self._message
+        message = self._messages[step % 2]
+        message.resize(len(layout), nbytes, layout[0].param.device)
+        return message
 
     def _prepare(self, step: int, layout: list[Member]) -> None:
         for group, p, key in layout:
