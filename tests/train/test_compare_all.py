@@ -40,7 +40,7 @@ def run(tmp_path_factory):
 
 def test_every_registered_optimizer_is_compared():
     overlap = {f"{n}-overlap" for n in ("demo", "ef21-muon", "apmsqueeze", "lordo", "diloco")}
-    others = {"powersgd", "demo", "adamw-allreduce", "adam-allreduce"}   # test_cli.py, test_overlap_harness.py
+    others = {"powersgd", "demo", "adamw-allreduce", "adam-allreduce", "demo-lookahead"}   # test_cli.py, test_overlap_harness.py
     assert set(OPTIMIZERS) == set(NAMES) | others | overlap
 
 

@@ -20,7 +20,7 @@ V, C, T = 256, 64, 32                        # tiny preset: vocab, width, contex
 N_PARAMS = V * C + T * C + 12 * C * C + 3 * C
 VARIANTS = ("demo", "ef21-muon", "apmsqueeze", "lordo", "diloco")
 STEPS = 20
-NAMES = ("adamw", "adamw-allreduce", "demo", "demo-overlap")
+NAMES = ("adamw", "adamw-allreduce", "demo", "demo-overlap", "demo-lookahead")
 
 
 def test_overlap_entries_and_refusals():
@@ -132,7 +132,7 @@ def test_rows_carry_the_limit(runs):
         assert row["dense_limit_s"] == limit and row["dense_limit_of"] == "adamw"
         measured = row["time_to_target_s"]["measured"]
         assert row["ratio_to_dense_limit"] == (None if measured is None else pytest.approx(measured / limit))
-        assert row["overlap"] == name.endswith("-overlap")
+        assert row["overlap"] == (name.endswith("-overlap") or name == "demo-lookahead")
 
 
 def test_ddp_and_allreduce_baselines(runs):
@@ -156,3 +156,14 @@ def test_overlap_flag_equals_overlap_entry(runs):
     assert rows["demo-overlap"]["val_loss"] == pytest.approx(rows["demo"]["val_loss"], rel=0.05)
     # same bytes per step: overlap moves the wait, not the message
     assert rows["demo-overlap"]["payload_bytes_per_step"] == rows["demo"]["payload_bytes_per_step"]
+
+
+def test_lookahead_entry_is_overlap_with_other_gradients(runs):
+    """demo-lookahead: overlap with the same bytes as DeMo, its first loss DeMo's, and from
+    then on gradients taken at the looked-ahead parameters, not demo-overlap's."""
+    (rows, steps, _), _ = runs
+    losses = lambda s: [r["loss"] for r in s if r["kind"] == "step"]            # noqa: E731
+    assert rows["demo-lookahead"]["overlap"] is True
+    assert rows["demo-lookahead"]["payload_bytes_per_step"] == rows["demo"]["payload_bytes_per_step"]
+    assert losses(steps["demo-lookahead"])[0] == losses(steps["demo"])[0]
+    assert losses(steps["demo-lookahead"])[2:] != losses(steps["demo-overlap"])[2:]
