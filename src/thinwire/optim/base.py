@@ -100,8 +100,8 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
             raise ValueError("lookahead corrects overlap's one step of staleness: it needs overlap=True")
         self.nonfinite = check_nonfinite_policy(nonfinite)
         self.overlap, self.lookahead = overlap, lookahead
-        self._looked_ahead: tuple | None = None  # (layout, saved parameters) while a lookahead is on
-        self._saved: list[torch.Tensor] = []     # reused copies of the parameters under a lookahead
+        self._looked_ahead: list[Member] | None = None   # the layout whose parameters are looked ahead
+        self._saved: list[torch.Tensor] = []     # their exact values, buffers reused across steps
         self.comm = Communicator(process_group)
         self._agreed: str | None = None          # the description all ranks last agreed on
         self._step = 0                           # steps taken (flagged ones included)
@@ -193,9 +193,11 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
             try:
                 self.finish_step()
             except NonFiniteGradientError:
-                self._start_ahead()      # every call is a step: only the flagged one is lost
+                self.start_step()        # every call is a step: only the flagged one is lost
+                self._look_ahead()
                 raise
-            self._start_ahead()
+            self.start_step()
+            self._look_ahead()
             return
         previous, self._inflight = self._inflight, None
         self._start(previous[0])
@@ -244,15 +246,11 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         self._inflight = (step, layout, exchange, snapshot, hyper)
 
-    def _start_ahead(self) -> None:
-        """start_step(), then (lookahead=True) the parameters moved by this rank's estimate of
-        the update in flight, so the caller's next gradient is taken about where the
-        parameters will be when that update lands: Psyche's correction of its one-step
-        overlap. The exact parameters are saved first and put back before the next finish."""
-        self.start_step()
-        self._look_ahead()
-
     def _look_ahead(self) -> None:
+        """lookahead: the parameters moved by this rank's estimate of the update in flight, so
+        the caller's next gradient is taken about where they will be when it lands (Psyche's
+        correction of its one-step overlap). The exact ones are saved first and put back by
+        `_take_back_lookahead` before the next finish."""
         if not self.lookahead or self._inflight is None:
             return
         step, layout, exchange = self._inflight[:3]

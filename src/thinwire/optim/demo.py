@@ -127,6 +127,13 @@ def apply_base(p: torch.Tensor, delta: torch.Tensor, group: dict, key: torch.Ten
         add_sign_(p, delta, -lr, consume=True)        # delta lives in a scratch buffer
 
 
+def step_param(p: torch.Tensor, delta: torch.Tensor, group: dict, key: torch.Tensor) -> None:
+    """θ ← θ(1 − ηλ), then θ ← θ − η φ(Δ) (`apply_base`)."""
+    if group["weight_decay"]:
+        p.mul_(1.0 - group["lr"] * group["weight_decay"])
+    apply_base(p, delta, group, key)
+
+
 class DeMo(CommunicatingOptimizer):
     """Decoupled momentum: each rank sends the top-k chunked-transform coefficients of its
     momentum; see the module docstring for the equations.
@@ -169,6 +176,8 @@ class DeMo(CommunicatingOptimizer):
     zero (its momentum decays); a parameter with a gradient on no rank does not move.
     """
 
+    EARLY_START = True            # encode: gradients into M only; apply: Δ into θ only
+
     def __init__(self, params, lr: float = 1e-3, beta: float = 0.999, alpha: float = 1.0, topk: int = 32,
                  chunk: int = 64, transform: str = "dct", base: str = "signum", weight_decay: float = 0.0,
                  values: str = "bf16", aggregate: str = "mean", momentum_domain: str = "auto", seed: int = 0,
@@ -186,8 +195,6 @@ class DeMo(CommunicatingOptimizer):
         self._compressors: dict[tuple, ChunkedTopK] = {}
         self._messages = (GatherAll(self.comm), GatherAll(self.comm))    # by step parity: EARLY_START
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None   # reused transform scratch
-
-    EARLY_START = True            # encode: gradients into M only; apply: Δ into θ only
 
     def add_param_group(self, param_group: dict) -> None:
         _check_group({**self.defaults, **param_group})
@@ -304,19 +311,16 @@ class DeMo(CommunicatingOptimizer):
         for (group, p, comp, offset, n, key), here in zip(slots, present):
             if not here:
                 continue
-            m, plan = self.state[key]["momentum"], comp.plan(p.shape)
+            m, plan, out = self.state[key]["momentum"], comp.plan(p.shape), exchange.payload[offset: offset + n]
             if momentum_in_transform(group):                # T⁻¹ of the whole image [R, C], cropped
                 image = plan.matrix_in(a).copy_(m)
-                self._subtract_sent(step, group, p, comp, image, exchange.payload[offset: offset + n],
-                                    group["alpha"], (a, b), padding=False)     # sparse: no scratch used
+                self._subtract_sent(step, group, p, comp, image, out, group["alpha"], (a, b), padding=False)
                 full = plan.crop(comp.transform.inverse_image(image, plan, step, scratch=b))
-            else:
-                full = m.clone()
-                self._subtract_sent(step, group, p, comp, full, exchange.payload[offset: offset + n],
-                                    group["alpha"], (a, b))
-            if group["weight_decay"]:
-                p.mul_(1.0 - group["lr"] * group["weight_decay"])
-            apply_base(p, full, group, key)
+            else:                                           # M + α T⁻¹(Q̂_i), in scratch
+                own = comp.read(Payload.from_buffer(out, comp.payload_spec(p.shape)), p.shape)
+                sent = comp.aggregate([own], p.shape, step, out=a, scratch=b)
+                full = torch.add(m, sent, alpha=group["alpha"], out=sent)
+            step_param(p, full, group, key)
 
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         self._update(step, self._slots(layout), delivery.data, delivery.present.tolist())
@@ -330,7 +334,4 @@ class DeMo(CommunicatingOptimizer):
             spec = comp.payload_spec(p.shape)
             reads = [comp.read(Payload.from_buffer(gathered[r, offset: offset + n], spec), p.shape)
                      for r in range(gathered.shape[0])]                       # validated, rank order
-            delta = comp.aggregate(reads, p.shape, step, group["aggregate"], out=a, scratch=b)
-            if group["weight_decay"]:                       # θ ← θ(1 − ηλ)
-                p.mul_(1.0 - group["lr"] * group["weight_decay"])
-            apply_base(p, delta, group, key)
+            step_param(p, comp.aggregate(reads, p.shape, step, group["aggregate"], out=a, scratch=b), group, key)

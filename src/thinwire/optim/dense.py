@@ -95,10 +95,7 @@ class DenseAllReduce(CommunicatingOptimizer):
         """Every parameter with a gradient somewhere gets the mean; then the wrapped steps."""
         if self.overlap:
             return self._apply_beside(layout, delivery)
-        mean, offset = delivery.data, 0
-        for (_, p, key), anywhere in zip(layout, delivery.present.tolist()):
-            part = mean[offset: offset + p.numel()].view(p.shape)
-            offset += p.numel()
+        for (_, p, key), part, anywhere in _mean_parts(layout, delivery):
             if not anywhere:
                 continue
             if p.grad is None:                      # key's gradient: the wrapped optimizer reads that
@@ -112,10 +109,8 @@ class DenseAllReduce(CommunicatingOptimizer):
         """Overlap: the caller's gradients already belong to the next step, so the wrapped
         optimizers step on the mean as `.grad` (None where no rank had one), and each
         parameter's own gradient is put back afterwards."""
-        mean, offset, kept = delivery.data, 0, []
-        for (_, p, key), anywhere in zip(layout, delivery.present.tolist()):
-            part = mean[offset: offset + p.numel()].view(p.shape)
-            offset += p.numel()
+        kept = []
+        for (_, p, key), part, anywhere in _mean_parts(layout, delivery):
             kept.append((key, key.grad))
             key.grad = None
             if anywhere:
@@ -126,3 +121,11 @@ class DenseAllReduce(CommunicatingOptimizer):
         finally:
             for key, grad in kept:
                 key.grad = grad
+
+
+def _mean_parts(layout: list[Member], delivery):
+    """(member, its part of the mean gradient shaped like its param, whether any rank had one)."""
+    offset = 0
+    for m, anywhere in zip(layout, delivery.present.tolist()):
+        yield m, delivery.data[offset: offset + m.param.numel()].view(m.param.shape), anywhere
+        offset += m.param.numel()

@@ -52,6 +52,7 @@ import math
 import warnings
 
 import torch
+import torch.distributed as dist
 
 from ..ops import adam_denominator, lowrank
 from .base import Member
@@ -81,20 +82,37 @@ def _check_group(g: dict) -> None:
         raise ValueError(f"low_rank must be None (auto: matrices), True or False, got {g['low_rank']!r}")
 
 
-def clipped(grad: torch.Tensor, rho: float | None, key: torch.Tensor) -> torch.Tensor:
+def clipped(grad: torch.Tensor, rho: float | None, norm: float) -> torch.Tensor:
     """Ĝ = G · min(1, ρ / ‖G‖_F), in float32 (ρ None: G, not clipped). Never written to.
-    `grad` is the shard of parameter `key`; ‖G‖_F is the whole gradient's."""
+    `norm` is ‖G‖_F of the whole gradient (`whole_norms`), of which `grad` may be a shard."""
     g = grad.float()
     if rho is None:
         return g
-    return g * min(1.0, rho / max(whole_norm(key, g), 1e-300))
+    return g * min(1.0, rho / max(norm, 1e-300))
 
 
-def whole_norm(key: torch.Tensor, g: torch.Tensor) -> float:
-    """‖G‖_F of the whole tensor whose shard is g (√ of the site's sum of squares)."""
-    if not is_sharded(key):
-        return float(g.norm())
-    return float(site_sum_(key, g.square().sum()).sqrt())
+def whole_norms(layout: list[Member]) -> list[float | None]:
+    """‖G‖_F of each clipped parameter's whole gradient (None where it has no gradient or no
+    clip). A shard's squares are summed over its site, every shard of a site in one
+    all-reduce; the floats reach the host in one transfer."""
+    clip = [m.param.grad is not None and m.group["clip"] is not None for m in layout]
+    values = [(m.param.grad.float().square().sum() if is_sharded(m.key) else m.param.grad.float().norm())
+              for m, c in zip(layout, clip) if c]
+    if not values:
+        return [None] * len(layout)
+    values = torch.stack(values)                       # [clipped parameters]
+    kept = [m for m, c in zip(layout, clip) if c]
+    by_site: dict = {}
+    for i, m in enumerate(kept):
+        if is_sharded(m.key):
+            by_site.setdefault(m.key.device_mesh.get_group(), []).append(i)
+    for group, rows in by_site.items():               # the same rows on every rank of the site
+        index = torch.tensor(rows, device=values.device)
+        summed = values[index]
+        dist.all_reduce(summed, group=group)
+        values[index] = summed.sqrt()
+    norms = iter(values.tolist())
+    return [next(norms) if c else None for c in clip]
 
 
 def whole_mean(key: torch.Tensor, d: torch.Tensor, numel: int) -> float:
@@ -261,12 +279,12 @@ class LoRDO(PeriodicAveraging):
                              exp_avg_sq=torch.zeros_like(p, dtype=torch.float32))
 
     def _local_step(self, step: int, layout: list[Member]) -> None:
-        for group, p, key in layout:
+        for (group, p, key), norm in zip(layout, whole_norms(layout)):
             if p.grad is None:                                        # no gradient: no local step
                 continue
             state = self.state[key]
             state["step"] += 1
-            g = clipped(p.grad, group["clip"], key)
+            g = clipped(p.grad, group["clip"], norm)
             if group["weight_decay"]:
                 # θ ← θ (1 − η λ)
                 p.mul_(1.0 - group["lr"] * group["weight_decay"])
