@@ -62,14 +62,12 @@ def test_sigkill_under_torchrun_restarts_and_ends_bit_identical(optimizer, tmp_p
     last = checkpoint_root(killed) / "step-000008"
     shard = last / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-1])
-    lr = get_preset("tiny").lr or None
     meta = expected_meta(get_preset("tiny", steps=8, eval_every=4, eval_rows=16, workers=2, sync_every=3),
                          optimizer, __import__("json").loads((last / "thinwire.json").read_text())["lr"], 2)
     with pytest.raises(CheckpointError, match=r"corrupt: __0_0.distcp .* previous checkpoint .*step-000004"):
         check(last, meta)
     previous = checkpoint_root(killed) / "step-000004"
     assert check(previous, meta)["step"] == 4 and read_model(previous).keys() == a.keys()
-    del lr
 
 
 def _free_port() -> int:
