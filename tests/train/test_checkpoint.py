@@ -17,7 +17,7 @@ from thinwire.train.checkpoint import (CheckpointError, check, checkpoint_root, 
 from thinwire.train.config import get_preset
 from thinwire.train.run import compare
 
-TINY = dict(steps=8, eval_every=4, eval_rows=16, workers=2)
+TINY = dict(steps=8, eval_every=4, eval_rows=16, workers=2, sync_every=3)      # shared.TRAIN's flags
 
 
 def _apm_round_trip(rank: int, world: int, root: str):
@@ -62,11 +62,11 @@ def _run(out: Path, every: int = 4, **over) -> None:
 
 
 @pytest.fixture(scope="module")
-def interrupted(tmp_path_factory):
-    """A run written to the end, and the same run resumed from its step-4 checkpoint."""
-    base = tmp_path_factory.mktemp("ckpt")
-    whole, resumed = base / "whole", base / "resumed"
-    _run(whole)
+def interrupted(demo_never_killed, tmp_path_factory):
+    """A run written to the end (`thinwire train` of the same run as _run's, shared with
+    test_faults.py: copied before anything changes it), and the same run resumed from its
+    step-4 checkpoint."""
+    whole, resumed = demo_never_killed, tmp_path_factory.mktemp("ckpt") / "resumed"
     shutil.copytree(whole, resumed)
     shutil.rmtree(checkpoint_root(resumed) / "step-000008")
     _run(resumed)
@@ -130,24 +130,56 @@ def test_cli_refuses_a_foreign_checkpoint_before_any_worker_starts(interrupted, 
     shutil.copytree(whole, out)
     with pytest.raises(SystemExit) as exc:
         main(["train", "--optimizer", "lordo", "--preset", "tiny", "--steps", "8", "--eval-every", "4",
-              "--eval-rows", "16", "--workers", "2", "--out", str(out), "--quiet"])
+              "--eval-rows", "16", "--workers", "2", "--sync-every", "3", "--out", str(out), "--quiet"])
     assert exc.value.code == 2
     assert "optimizer: checkpoint 'demo', this run 'lordo'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("optimizer", ["demo", "lordo", "adamw"])
-def test_resume_under_sites_is_bit_identical(optimizer, tmp_path):
+SITES = ["demo", "lordo", "adamw"]
+SITES_CFG = get_preset("tiny", **{**TINY, **dict(steps=4, eval_every=2, workers=4, sites=2, sync_every=3)})
+
+
+def _train_under_sites(rank: int, world: int, name: str, out: Path) -> None:
+    """What compare(SITES_CFG, [name], out, checkpoint=True, checkpoint_every=2) runs on a worker."""
+    from thinwire.train.optimizers import get_optimizer
+    from thinwire.train.worker import train_worker
+    train_worker(rank, world, SITES_CFG, name, get_optimizer(name).lr_for(SITES_CFG.name), str(out / f"{name}.jsonl"),
+                 checkpoint_dir=str(checkpoint_root(out)), checkpoint_every=2)
+
+
+def _resume_each_under_sites(rank: int, world: int, root: str) -> None:
+    """Every optimizer in SITES in turn in one group of 4 processes (spawning 4 workers twice
+    per optimizer was most of these cases' time): the whole run, then rank 0 copies it without
+    its last checkpoint, then the copy resumes."""
+    import torch.distributed as dist
+    for name in SITES:
+        whole, resumed = Path(root, name, "whole"), Path(root, name, "resumed")
+        if rank == 0:
+            whole.mkdir(parents=True)
+        dist.barrier()
+        _train_under_sites(rank, world, name, whole)
+        dist.barrier()                                      # every rank's shards written before the copy
+        if rank == 0:
+            shutil.copytree(whole, resumed)
+            shutil.rmtree(checkpoint_root(resumed) / "step-000004")
+        dist.barrier()
+        assert latest(checkpoint_root(resumed)).name == "step-000002"
+        _train_under_sites(rank, world, name, resumed)
+
+
+@pytest.fixture(scope="module")
+def under_sites(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sites")
+    run_workers(_resume_each_under_sites, 4, args=(str(root),))
+    return root
+
+
+@pytest.mark.parametrize("optimizer", SITES)
+def test_resume_under_sites_is_bit_identical(optimizer, under_sites):
     """--sites 2 with 2 ranks per site: the model is saved as FSDP2 shards (HSDP AdamW's
     state too), LoRDO's per-rank replicas as each rank's local shards."""
-    over = dict(steps=4, eval_every=2, workers=4, sites=2, sync_every=3)
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    cfg = get_preset("tiny", **{**TINY, **over})
-    compare(cfg, [optimizer], out_dir=str(whole), quiet=True, show=False, checkpoint=True, checkpoint_every=2)
-    shutil.copytree(whole, resumed)
-    shutil.rmtree(checkpoint_root(resumed) / "step-000004")
-    compare(cfg, [optimizer], out_dir=str(resumed), quiet=True, show=False, checkpoint=True, checkpoint_every=2)
-    a = read_model(checkpoint_root(whole) / "step-000004")
-    b = read_model(checkpoint_root(resumed) / "step-000004")
+    a = read_model(checkpoint_root(under_sites / optimizer / "whole") / "step-000004")
+    b = read_model(checkpoint_root(under_sites / optimizer / "resumed") / "step-000004")
     assert a.keys() == b.keys() and a
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -1,12 +1,13 @@
-"""`thinwire compare` end to end on the tiny preset with 2 real gloo workers (one CLI run for
-the module), plus the CLI's user errors (which must come before anything is spawned)."""
+"""`thinwire compare` end to end on the tiny preset with 2 real gloo workers (the CLI run this
+file shares with two others: shared.py), plus the CLI's user errors (which must come
+before anything is spawned)."""
 
-import json
 import subprocess
 import sys
 
 import pytest
 
+from tests.train.shared import STEPS, TINY_OPTIMIZERS
 from thinwire.train.cli import main
 
 OPTIMIZERS = ("adamw", "powersgd", "demo")
@@ -20,17 +21,8 @@ VECTORS = [C, C, C]                                                      # ln1, 
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("compare")
-    cmd = [sys.executable, "-m", "thinwire", "compare", "--preset", "tiny", "--workers", "2", "--steps", "30",
-           "--optimizers", ",".join(OPTIMIZERS), "--out", str(out), "--quiet"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr
-    logs = {}
-    for name in OPTIMIZERS:
-        lines = [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
-        logs[name] = {k: [r for r in lines if r["kind"] == k] for k in ("step", "eval", "final")}
-    return json.loads((out / "summary.json").read_text()), logs, done.stdout
+def run(tiny_compare):
+    return tiny_compare["summary"], tiny_compare["logs"], tiny_compare["stdout"]
 
 
 def test_table_printed(run):
@@ -42,7 +34,7 @@ def test_table_printed(run):
 
 def test_summary_complete(run):
     summary, logs, _ = run
-    assert [r["optimizer"] for r in summary["runs"]] == list(OPTIMIZERS)
+    assert [r["optimizer"] for r in summary["runs"]] == list(TINY_OPTIMIZERS)      # run order; OPTIMIZERS first
     assert summary["baseline"] == "adamw"
     assert summary["target_loss"] == pytest.approx(logs["adamw"]["eval"][-1]["val_loss"] * 1.02)
     for row in summary["runs"]:
@@ -58,7 +50,7 @@ def test_loss_falls(run):
     _, logs, _ = run
     for name in OPTIMIZERS:
         evals = logs[name]["eval"]
-        assert evals[0]["step"] == 0 and evals[-1]["step"] == 30
+        assert evals[0]["step"] == 0 and evals[-1]["step"] == STEPS
         assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 1.0, name     # from ~ln(256)=5.5
 
 

@@ -1,19 +1,18 @@
 """Every optimizer the harness registers, end to end in one `thinwire compare` on the tiny
-preset with 2 real gloo workers: it trains, its bytes are the ones its algorithm sends, and
-the table compares it with its own dense counterpart."""
+preset with 2 real gloo workers (the run shared with test_cli.py and test_overlap_harness.py:
+shared.py): it trains, its bytes are the ones its algorithm sends, and the table
+compares it with its own dense counterpart."""
 
-import json
 import math
-import subprocess
-import sys
 
 import pytest
 
+from tests.train.shared import COMPRESSED_AFTER, STEPS, SYNC_EVERY
 from thinwire.comm.collectives import padded_numel
 from thinwire.train.optimizers import OPTIMIZERS
 
 NAMES = ("adam", "apmsqueeze", "muon", "ef21-muon", "adamw", "lordo", "diloco")
-STEPS, SYNC, WARMUP = 24, 8, 12             # --steps, --sync-every, --compressed-after 0.5
+WARMUP = round(COMPRESSED_AFTER * STEPS)     # APMSqueeze's dense Adam steps
 V, C, T = 256, 64, 32                        # tiny preset: vocab, width, context (one block)
 N_PARAMS = V * C + T * C + 12 * C * C + 3 * C
 HANDSHAKE = 8                                # the first step's 8-byte fingerprint all_gather
@@ -23,19 +22,9 @@ TRAILER = 1 + 16 + TENSORS                   # float all-reduces: flag, lockstep
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("compare_all")
-    cmd = [sys.executable, "-m", "thinwire", "compare", "--preset", "tiny", "--workers", "2", "--steps", str(STEPS),
-           "--sync-every", str(SYNC), "--compressed-after", "0.5", "--optimizers", ",".join(NAMES),
-           "--out", str(out), "--quiet"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    steps = {}
-    for name in NAMES:
-        lines = [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
-        steps[name] = [r for r in lines if r["kind"] == "step"]
-    rows = {r["optimizer"]: r for r in json.loads((out / "summary.json").read_text())["runs"]}
-    return rows, steps, done.stdout
+def run(tiny_compare):
+    steps = {name: tiny_compare["logs"][name]["step"] for name in NAMES}
+    return tiny_compare["rows"], steps, tiny_compare["stdout"]
 
 
 def test_every_registered_optimizer_is_compared():
@@ -97,7 +86,7 @@ def test_lordo_and_diloco_talk_only_at_syncs(run):
     _, steps, _ = run
     for name in ("lordo", "diloco"):
         talking = [s["step"] for s in steps[name] if s["collectives"]]
-        assert talking == [1] + list(range(SYNC, STEPS + 1, SYNC)), name   # step 1: the handshake
+        assert talking == [1] + list(range(SYNC_EVERY, STEPS + 1, SYNC_EVERY)), name   # step 1: the handshake
         for s in steps[name]:
-            if s["step"] % SYNC == 0:
+            if s["step"] % SYNC_EVERY == 0:
                 assert s["payload_bytes"] >= 4 * N_PARAMS, name          # fp32 delta of every parameter

@@ -11,7 +11,6 @@ DeMo and one optimizer of each other family: APMSqueeze, EF21-Muon, LoRDO.
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -22,24 +21,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.train.shared import TRAIN, run_train, train_env
 from thinwire.train.checkpoint import CheckpointError, check, checkpoint_root, expected_meta, latest, read_model
 from thinwire.train.config import get_preset
 
 OPTIMIZERS = ["demo", "apmsqueeze", "ef21-muon", "lordo"]
-ARGS = ["--preset", "tiny", "--steps", "8", "--eval-every", "4", "--eval-rows", "16", "--workers", "2",
-        "--sync-every", "3", "--quiet"]
-
-
-def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("THINWIRE_DIE_AT", "TORCHELASTIC_RESTART_COUNT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
-    return env
 
 
 def _torchrun(out: Path, optimizer: str, restarts: int, env: dict) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", str(restarts), "--monitor-interval", "0.2",
-           "-m", "thinwire.train", "--optimizer", optimizer, *ARGS, "--out", str(out),
+           "-m", "thinwire.train", "--optimizer", optimizer, *TRAIN, "--out", str(out),
            "--checkpoint-every", "4", "--peer-timeout", "20"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -47,7 +39,8 @@ def _torchrun(out: Path, optimizer: str, restarts: int, env: dict) -> subprocess
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_sigkill_under_torchrun_restarts_and_ends_bit_identical(optimizer, tmp_path):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    runs = [_torchrun(whole, optimizer, 0, _env()), _torchrun(killed, optimizer, 1, _env(THINWIRE_DIE_AT="1:6"))]
+    runs = [_torchrun(whole, optimizer, 0, train_env()),
+            _torchrun(killed, optimizer, 1, train_env(THINWIRE_DIE_AT="1:6"))]
     outs = [p.communicate(timeout=240)[0] for p in runs]
     for p, text in zip(runs, outs):
         assert p.returncode == 0, text[-3000:]
@@ -81,9 +74,9 @@ def _workers(out: Path, optimizer: str, world: int, die: str, timeout: float) ->
     port = _free_port()
     procs = []
     for rank in range(world):
-        env = _env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), THINWIRE_DIE_AT=die)
-        cmd = [sys.executable, "-m", "thinwire.train", "--optimizer", optimizer, *ARGS, "--workers", str(world),
+        env = train_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), THINWIRE_DIE_AT=die)
+        cmd = [sys.executable, "-m", "thinwire.train", "--optimizer", optimizer, *TRAIN, "--workers", str(world),
                "--out", str(out), "--checkpoint-every", "4", "--peer-timeout", str(timeout)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
@@ -125,30 +118,21 @@ def test_silent_peer_fails_every_survivor_within_the_peer_timeout(tmp_path):
     assert latest(checkpoint_root(tmp_path)).name == "step-000004"
 
 
-def _train(out: Path, die: str | None = None) -> subprocess.CompletedProcess:
-    env = _env(**({"THINWIRE_DIE_AT": die} if die else {}))
-    cmd = [sys.executable, "-m", "thinwire", "train", "--optimizer", "demo", *ARGS, "--out", str(out),
-           "--checkpoint-every", "4"]
-    return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
-
-
 @pytest.fixture(scope="module")
-def never_killed(tmp_path_factory):
-    whole = tmp_path_factory.mktemp("whole")
-    assert _train(whole).returncode == 0
-    return read_model(checkpoint_root(whole) / "step-000008")
+def never_killed(demo_never_killed):
+    return read_model(checkpoint_root(demo_never_killed) / "step-000008")
 
 
 def test_thinwire_train_killed_then_run_again_ends_bit_identical(never_killed, tmp_path):
     """The issue's acceptance run: `thinwire train ... --checkpoint-every N --out D`, a worker
     killed mid-run, then the same command again: the final parameters of a run never killed."""
     killed = tmp_path / "killed"
-    first = _train(killed, die="1:6")
+    first = run_train(killed, die="1:6")
     assert first.returncode == 1, first.stdout[-3000:]
     assert "thinwire: error: worker 1 of 2 died (signal SIGKILL)" in first.stdout
     assert "thinwire: error: rank 0 of 2: step 6: a peer died" in first.stdout      # the survivor's own error
     assert "Run the same command again to resume" in first.stdout
-    again = _train(killed)
+    again = run_train(killed)
     assert again.returncode == 0, again.stdout[-3000:]
     assert "resuming demo from" in again.stdout and "(step 4 of 8)" in again.stdout
     b = read_model(checkpoint_root(killed) / "step-000008")
@@ -158,9 +142,9 @@ def test_thinwire_train_killed_then_run_again_ends_bit_identical(never_killed, t
 def test_killing_thinwire_train_itself_kills_its_workers_and_the_same_command_resumes(tmp_path):
     """SIGKILL to the launcher: its workers die with it (no orphan keeps writing to --out) and
     the same command again resumes from the last complete checkpoint and finishes."""
-    cmd = [sys.executable, "-m", "thinwire", "train", "--optimizer", "demo", *ARGS, "--steps", "40",
+    cmd = [sys.executable, "-m", "thinwire", "train", "--optimizer", "demo", *TRAIN, "--steps", "40",
            "--eval-every", "20", "--out", str(tmp_path), "--checkpoint-every", "4"]
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     while not (checkpoint_root(tmp_path) / "step-000004").exists():
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         time.sleep(0.02)
@@ -172,7 +156,8 @@ def test_killing_thinwire_train_itself_kills_its_workers_and_the_same_command_re
     time.sleep(1.5)
     assert log.stat().st_size == size                                  # nobody is still training
     assert not (checkpoint_root(tmp_path) / "step-000040").exists()
-    again = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    again = subprocess.run(cmd, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=240)
     assert again.returncode == 0, again.stdout[-3000:]
     assert "resuming demo from" in again.stdout and "of 40)" in again.stdout
     assert latest(checkpoint_root(tmp_path)).name == "step-000040"

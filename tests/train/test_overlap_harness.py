@@ -1,15 +1,14 @@
 """Issue 15 in the harness: --overlap and the "-overlap" entries, dense AdamW / Adam as torch
 DDP (bytes counted exactly, compute-only time measured with communication off, nothing of
-the run changed by that measurement), and the no-communication limit in every row."""
+the run changed by that measurement), and the no-communication limit in every row. The
+entries run in the tiny-preset `thinwire compare` shared with two other files (shared.py)."""
 
-import json
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
 
+from tests.train.shared import TINY, run_compare
 from thinwire.train.cli import main
 from thinwire.train.config import get_preset
 from thinwire.train.model import build_model
@@ -19,8 +18,6 @@ from thinwire.train.report import add_limits, summarize
 V, C, T = 256, 64, 32                        # tiny preset: vocab, width, context (one block)
 N_PARAMS = V * C + T * C + 12 * C * C + 3 * C
 VARIANTS = ("demo", "ef21-muon", "apmsqueeze", "lordo", "diloco")
-STEPS = 20
-NAMES = ("adamw", "adamw-allreduce", "demo", "demo-overlap", "demo-lookahead")
 
 
 def test_overlap_entries_and_refusals():
@@ -104,29 +101,20 @@ def test_limits_arithmetic():
     assert add_limits([d]) is None and d["ratio_to_dense_limit"] is None
 
 
-def _compare(out, names, *extra):
-    cmd = [sys.executable, "-m", "thinwire", "compare", "--preset", "tiny", "--workers", "2", "--steps", str(STEPS),
-           "--optimizers", ",".join(names), "--out", str(out), "--quiet", *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    rows = {r["optimizer"]: r for r in json.loads((out / "summary.json").read_text())["runs"]}
-    steps = {n: [json.loads(li) for li in (out / f"{n}.jsonl").read_text().splitlines()] for n in names}
-    return rows, steps, done.stdout
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    both = _compare(tmp_path_factory.mktemp("both"), NAMES)
-    flag = _compare(tmp_path_factory.mktemp("flag"), ("demo",), "--overlap", "--target", "3.6")
-    return both, flag
+def runs(tiny_compare, tmp_path_factory):
+    """The shared run (adamw, adamw-allreduce, demo and its overlap entries among its rows) and
+    DeMo alone under --overlap with the same flags."""
+    flag = run_compare(tmp_path_factory.mktemp("flag"), *TINY, "--optimizers", "demo", "--overlap", "--target", "3.6")
+    return [(r["rows"], r["logs"], r["stdout"]) for r in (tiny_compare, flag)]
 
 
 def test_rows_carry_the_limit(runs):
-    (rows, steps, stdout), _ = runs
+    (rows, logs, stdout), _ = runs
     assert "x dense AdamW's limit" in stdout and "| demo-overlap | yes |" in stdout and "| demo | no |" in stdout
     limit = rows["adamw"]["no_comm_limit_s"]
     assert limit == pytest.approx(rows["adamw"]["steps_to_target"] * rows["adamw"]["compute_only_step_s"])
-    final = next(r for r in steps["adamw"] if r["kind"] == "final")
+    final = logs["adamw"]["final"][0]
     assert rows["adamw"]["compute_only_step_s"] == final["compute_only_step_s"] > 0
     for name, row in rows.items():
         assert row["dense_limit_s"] == limit and row["dense_limit_of"] == "adamw"
@@ -136,23 +124,26 @@ def test_rows_carry_the_limit(runs):
 
 
 def test_ddp_and_allreduce_baselines(runs):
-    (rows, steps, _), _ = runs
+    (rows, logs, _), _ = runs
     dense = 4 * (N_PARAMS + 1 + 16 + 9)          # DenseAllReduce: the gradient and its float trailer
-    ar = [r for r in steps["adamw-allreduce"] if r["kind"] == "step"]
+    ar = logs["adamw-allreduce"]["step"]
     assert ar[0]["payload_bytes"] == dense + 8 and all(r["payload_bytes"] == dense for r in ar[1:])
-    ddp = [r for r in steps["adamw"] if r["kind"] == "step"]
+    ddp = logs["adamw"]["step"]
     assert all(r["payload_bytes"] == 4 * N_PARAMS and r["collectives"] >= 1 for r in ddp)
     # the same AdamW on the same mean gradient: the same loss (up to fp32 summation order)
     assert rows["adamw"]["val_loss"] == pytest.approx(rows["adamw-allreduce"]["val_loss"], rel=1e-3)
 
 
+def _losses(log: dict) -> list[float]:
+    return [r["loss"] for r in log["step"]]
+
+
 def test_overlap_flag_equals_overlap_entry(runs):
-    (rows, steps, _), (flag_rows, flag_steps, _) = runs
+    (rows, logs, _), (flag_rows, flag_logs, _) = runs
     assert flag_rows["demo"]["overlap"] is True
-    losses = lambda s: [r["loss"] for r in s if r["kind"] == "step"]            # noqa: E731
-    assert losses(flag_steps["demo"]) == losses(steps["demo-overlap"])              # bit for bit
-    assert losses(steps["demo"]) != losses(steps["demo-overlap"])                   # gradients one update late
-    assert losses(steps["demo"])[0] == losses(steps["demo-overlap"])[0]
+    assert _losses(flag_logs["demo"]) == _losses(logs["demo-overlap"])              # bit for bit
+    assert _losses(logs["demo"]) != _losses(logs["demo-overlap"])                   # gradients one update late
+    assert _losses(logs["demo"])[0] == _losses(logs["demo-overlap"])[0]
     assert rows["demo-overlap"]["val_loss"] == pytest.approx(rows["demo"]["val_loss"], rel=0.05)
     # same bytes per step: overlap moves the wait, not the message
     assert rows["demo-overlap"]["payload_bytes_per_step"] == rows["demo"]["payload_bytes_per_step"]
@@ -161,9 +152,8 @@ def test_overlap_flag_equals_overlap_entry(runs):
 def test_lookahead_entry_is_overlap_with_other_gradients(runs):
     """demo-lookahead: overlap with the same bytes as DeMo, its first loss DeMo's, and from
     then on gradients taken at the looked-ahead parameters, not demo-overlap's."""
-    (rows, steps, _), _ = runs
-    losses = lambda s: [r["loss"] for r in s if r["kind"] == "step"]            # noqa: E731
+    (rows, logs, _), _ = runs
     assert rows["demo-lookahead"]["overlap"] is True
     assert rows["demo-lookahead"]["payload_bytes_per_step"] == rows["demo"]["payload_bytes_per_step"]
-    assert losses(steps["demo-lookahead"])[0] == losses(steps["demo"])[0]
-    assert losses(steps["demo-lookahead"])[2:] != losses(steps["demo-overlap"])[2:]
+    assert _losses(logs["demo-lookahead"])[0] == _losses(logs["demo"])[0]
+    assert _losses(logs["demo-lookahead"])[2:] != _losses(logs["demo-overlap"])[2:]

@@ -3,14 +3,12 @@ on the tiny preset with 4 workers as 2 sites x 2 ranks, and the same with --site
 per site: the flat path) for reference; then the user errors, which come before any worker
 starts (PowerSGD's DDP hook), and the helpers (optimizer-state bytes, site sums, modelled time over a site's link)."""
 
-import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests.train.shared import run_compare
 from thinwire.optim import DenseAllReduce, DiLoCo
 from thinwire.train.cli import main
 from thinwire.train.config import get_preset
@@ -24,7 +22,7 @@ STEPS, EVERY = 12, 6
 # 4 workers of one window each; 17 validation windows: rank 0 scores 5, the others 4, so with
 # 4 windows per forward ranks 1-3 run a spare forward for FSDP2's all-gathers (and count nothing)
 ARGS = ["--preset", "tiny", "--workers", "4", "--rows", "4", "--eval-rows", "17", "--steps", str(STEPS),
-        "--eval-every", str(EVERY), "--optimizers", ",".join(OPTIMIZERS), "--quiet"]
+        "--eval-every", str(EVERY), "--optimizers", ",".join(OPTIMIZERS)]
 CFG = get_preset("tiny")
 PARAMS = list(build_model(CFG).parameters())              # unique: the head is tied to wte
 N = sum(p.numel() for p in PARAMS)
@@ -37,20 +35,8 @@ def _shard_numel(p: torch.Tensor, shards: int) -> int:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = {}
-    for sites in (2, 4):
-        path = tmp_path_factory.mktemp(f"sites{sites}")
-        done = subprocess.run([sys.executable, "-m", "thinwire", "compare", *ARGS, "--sites", str(sites),
-                               "--out", str(path)], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        summary = json.loads((path / "summary.json").read_text())
-        logs = {}
-        for name in OPTIMIZERS:
-            lines = [json.loads(line) for line in (path / f"{name}.jsonl").read_text().splitlines()]
-            logs[name] = {k: [r for r in lines if r["kind"] == k] for k in ("step", "eval", "final")}
-        out[sites] = {"rows": {r["optimizer"]: r for r in summary["runs"]}, "summary": summary, "logs": logs,
-                      "stdout": done.stdout}
-    return out
+    return {sites: run_compare(tmp_path_factory.mktemp(f"sites{sites}"), *ARGS, "--sites", str(sites))
+            for sites in (2, 4)}
 
 
 def test_summary_reports_each_tier(runs):

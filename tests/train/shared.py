@@ -1,0 +1,55 @@
+"""Runs that several files of tests/train check, each launched once (conftest.py's fixtures),
+and how those files launch `thinwire compare` and `thinwire train`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+STEPS, SYNC_EVERY, COMPRESSED_AFTER = 24, 8, 0.5
+# --sync-every reaches only LoRDO and DiLoCo, --compressed-after only APMSqueeze's dense warmup
+TINY = ("--preset", "tiny", "--workers", "2", "--steps", str(STEPS), "--sync-every", str(SYNC_EVERY),
+        "--compressed-after", str(COMPRESSED_AFTER))
+# compare launches each optimizer on workers of its own, so a run depends only on its name and
+# the flags: one launch of the three files' optimizers gives each the runs it checks, and AdamW
+# and DeMo train once instead of three and two times
+TINY_OPTIMIZERS = ("adamw", "powersgd", "demo",                                  # test_cli.py; adamw: the baseline
+                   "adamw-allreduce", "demo-overlap", "demo-lookahead",         # test_overlap_harness.py
+                   "adam", "apmsqueeze", "muon", "ef21-muon", "lordo", "diloco")  # test_compare_all.py, with adamw
+
+# test_faults.py's runs; the same DeMo run never interrupted is test_checkpoint.py's too (its TINY)
+TRAIN = ["--preset", "tiny", "--steps", "8", "--eval-every", "4", "--eval-rows", "16", "--workers", "2",
+         "--sync-every", "3", "--quiet"]
+
+
+def run_compare(out: Path, *args: str) -> dict:
+    """`thinwire compare *args --out out --quiet`: summary.json, its rows by optimizer, each
+    optimizer's log records by kind (step, eval, final) and the printed table."""
+    done = subprocess.run([sys.executable, "-m", "thinwire", "compare", *args, "--out", str(out), "--quiet"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    logs = {}
+    for name in args[args.index("--optimizers") + 1].split(","):
+        lines = [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
+        logs[name] = {k: [r for r in lines if r["kind"] == k] for k in ("step", "eval", "final")}
+    return {"summary": summary, "rows": {r["optimizer"]: r for r in summary["runs"]}, "logs": logs,
+            "stdout": done.stdout}
+
+
+def train_env(**extra) -> dict:
+    """This environment without fault injection or a torchrun restart count, and `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("THINWIRE_DIE_AT", "TORCHELASTIC_RESTART_COUNT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def run_train(out: Path, die: str | None = None) -> subprocess.CompletedProcess:
+    """`thinwire train` of DeMo with TRAIN's flags, checkpointed every 4 steps; `die`: THINWIRE_DIE_AT."""
+    env = train_env(**({"THINWIRE_DIE_AT": die} if die else {}))
+    cmd = [sys.executable, "-m", "thinwire", "train", "--optimizer", "demo", *TRAIN, "--out", str(out),
+           "--checkpoint-every", "4"]
+    return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
