@@ -92,17 +92,15 @@ class ChunkTransform:
         return out
 
     def inverse_image(self, coeffs: torch.Tensor, plan: ChunkPlan, step: int = 0, *,
-                      scratch: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """out ← T⁻¹(coeffs) = P_hᵀ C P_w per chunk: an image-layout coefficient matrix [R, C]
-        becomes the padded matrix [R, C], in place when `out` is None (out = coeffs), else
-        into `out` (contiguous [R, C], coeffs left as they are); `scratch` (flat float32,
-        >= R*C) holds the intermediate. Returns `out`."""
+                      scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """In place: an image-layout coefficient matrix [R, C] becomes the padded matrix
+        T⁻¹(coeffs) = P_hᵀ C P_w per chunk; `scratch` (flat float32, >= R*C) holds the
+        intermediate. Returns `coeffs`."""
         (gr, gc), h, w = plan.grid, plan.chunk_rows, plan.chunk_cols
         rows, cols = plan.padded_rows, plan.padded_cols
         ph, pw = self.basis(h, step, coeffs.device), self.basis(w, step, coeffs.device)
-        out = coeffs if out is None else out
         if ph is None and pw is None:
-            return out if out is coeffs else out.copy_(coeffs)
+            return coeffs
         t = _matrix(scratch, rows * gc, w, coeffs.device)
         if pw is not None:
             torch.mm(coeffs.view(rows * gc, w), pw, out=t)                # C P_w: [R*gc, w] @ [w, w]
@@ -110,10 +108,10 @@ class ChunkTransform:
             t.copy_(coeffs.view(rows * gc, w))
         if ph is not None:
             # P_hᵀ (C P_w)[a] for each row block a: [h, h] @ [h, C]
-            torch.bmm(ph.T.expand(gr, h, h), t.view(gr, h, cols), out=out.view(gr, h, cols))
+            torch.bmm(ph.T.expand(gr, h, h), t.view(gr, h, cols), out=coeffs.view(gr, h, cols))
         else:
-            out.view(rows * gc, w).copy_(t)
-        return out
+            coeffs.view(rows * gc, w).copy_(t)
+        return coeffs
 
     def zero_padding_(self, image: torch.Tensor, plan: ChunkPlan, step: int = 0) -> torch.Tensor:
         """In place: image ← T(P·T⁻¹(image)), P zeroing the plan's padding, so the image holds

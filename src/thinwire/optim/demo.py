@@ -279,22 +279,17 @@ class DeMo(CommunicatingOptimizer):
                                                      scratch=b)
                 comp.write(comp.select(image, p.shape, scratch=b), p.shape, out=out)
             if self.lookahead and self.lookahead_form == "momentum":
-                self._keep_ahead(step, group, key, comp.transform, plan, m, b)
+                self._keep_ahead(step, key, m)
             self._subtract_sent(step, group, p, comp, m, out, -group["alpha"], (a, b))
 
-    def _keep_ahead(self, step: int, group: dict, key: torch.Tensor, transform, plan, m: torch.Tensor,
-                    scratch: torch.Tensor) -> None:
-        """lookahead='momentum': the direction M_i before the subtraction, in the parameter's
-        domain (T⁻¹ of the image when M holds coefficients), kept until `_estimate` uses it
-        after the previous step's apply; computing it here, where M_i is at hand, saves
-        reading back and re-adding the sent part."""
+    def _keep_ahead(self, step: int, key: torch.Tensor, m: torch.Tensor) -> None:
+        """lookahead='momentum': M_i before the subtraction, copied while encoding where it is at
+        hand (the sent part need not be read back and re-added later); its inverse transform
+        waits for `_estimate`, after the message has left."""
         ahead = self._ahead.get(key)
         if ahead is None or ahead.shape != m.shape or ahead.device != m.device:
             ahead = self._ahead[key] = torch.empty(m.shape, device=m.device)   # float32, like Δ
-        if momentum_in_transform(group):                    # [R, C] image -> padded matrix [R, C]
-            transform.inverse_image(m, plan, step, scratch=scratch, out=ahead)
-        else:
-            ahead.copy_(m)
+        ahead.copy_(m)
         self._ahead_step = step
 
     def _subtract_sent(self, step: int, group: dict, p, comp: ChunkedTopK, m: torch.Tensor, out: torch.Tensor,
@@ -330,10 +325,15 @@ class DeMo(CommunicatingOptimizer):
             return
         if self._ahead_step != step:                        # not encoded (non-finite gradients): stay at θ
             return
+        _, scratch = self._scratch(slots)
         for (group, p, comp, _offset, _n, key), here in zip(slots, present):
-            if here:                                        # M_i + α T⁻¹(Q̂_i) = M_i before the subtraction
-                ahead = self._ahead[key]
-                step_param(p, comp.plan(p.shape).crop(ahead) if momentum_in_transform(group) else ahead, group, key)
+            if not here:                                    # M_i + α T⁻¹(Q̂_i) = M_i before the subtraction
+                continue
+            ahead = self._ahead[key]
+            if momentum_in_transform(group):                # image [R, C] -> padded matrix, cropped
+                plan = comp.plan(p.shape)
+                ahead = plan.crop(comp.transform.inverse_image(ahead, plan, step, scratch=scratch))
+            step_param(p, ahead, group, key)
 
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         self._update(step, self._slots(layout), delivery.data, delivery.present.tolist())
