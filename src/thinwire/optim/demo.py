@@ -278,7 +278,7 @@ class DeMo(CommunicatingOptimizer):
                 image = comp.transform.forward_image(plan.transform_input(m, a), plan, step, out=plan.matrix_in(a),
                                                      scratch=b)
                 comp.write(comp.select(image, p.shape, scratch=b), p.shape, out=out)
-            if self.lookahead and self.lookahead_form == "momentum":
+            if self.lookahead_form == "momentum":        # lookahead needs overlap (checked at init)
                 self._keep_ahead(step, key, m)
             self._subtract_sent(step, group, p, comp, m, out, -group["alpha"], (a, b))
 
@@ -293,13 +293,13 @@ class DeMo(CommunicatingOptimizer):
         self._ahead_step = step
 
     def _subtract_sent(self, step: int, group: dict, p, comp: ChunkedTopK, m: torch.Tensor, out: torch.Tensor,
-                       alpha: float, scratch: tuple[torch.Tensor, torch.Tensor], padding: bool = True) -> None:
+                       alpha: float, scratch: tuple[torch.Tensor, torch.Tensor]) -> None:
         """M ← M + alpha·T⁻¹(Q̂_i), Q̂_i read back from this rank's own payload bytes `out`."""
         own = comp.read(Payload.from_buffer(out, comp.payload_spec(p.shape)), p.shape)
         if momentum_in_transform(group):                    # sparse: no transform needed
             comp.scatter(m, own, p.shape, alpha=alpha)
             plan = comp.plan(p.shape)
-            if padding and plan.padded:       # what the message puts in the padding is dropped, as the param domain crops it
+            if plan.padded:                   # what the message puts in the padding is dropped, as the param domain crops it
                 comp.transform.zero_padding_(m, plan, step)
         else:
             a, b = scratch
@@ -327,9 +327,9 @@ class DeMo(CommunicatingOptimizer):
             return
         _, scratch = self._scratch(slots)
         for (group, p, comp, _offset, _n, key), here in zip(slots, present):
-            if not here:                                    # M_i + α T⁻¹(Q̂_i) = M_i before the subtraction
+            if not here:
                 continue
-            ahead = self._ahead[key]
+            ahead = self._ahead[key]                        # M_i + α T⁻¹(Q̂_i) = M_i before the subtraction
             if momentum_in_transform(group):                # image [R, C] -> padded matrix, cropped
                 plan = comp.plan(p.shape)
                 ahead = plan.crop(comp.transform.inverse_image(ahead, plan, step, scratch=scratch))
