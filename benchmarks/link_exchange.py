@@ -96,7 +96,7 @@ def main() -> None:
         raise SystemExit(f"link_exchange: {why}")
     rate = parse_rate(args.rate)
     torch.set_num_threads(1)
-    print(f"| bytes/rank | line rate s | blocking s: median (mean) | pipelined s: median (mean) |")
+    print("| bytes/rank | line rate s | blocking s: median (mean) | pipelined s: median (mean) |")
     print("|---|---|---|---|")
     for nbytes in args.bytes:
         got = measure(rate, nbytes, args.exchanges)
