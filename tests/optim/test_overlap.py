@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import thinwire
+from thinwire.optim.protocol import PeerMismatchError
 from tests.dist import run_workers
 from tests.optim import problem
 from tests.optim.registry import REGISTRY
@@ -40,10 +41,10 @@ def _drop_on_odd_steps(model, step: int, drop: bool) -> None:
         model[2].bias.grad = None
 
 
-def _overlapped(name: str, rank: int, drop: bool = False) -> torch.Tensor:
+def _overlapped(name: str, rank: int, drop: bool = False, steps: int = STEPS) -> torch.Tensor:
     model = problem.make_model()
     opt = REGISTRY[name].build(list(model.parameters()))
-    for step in range(STEPS):
+    for step in range(steps):
         problem.loss_on(model, *problem.batch(rank, step)).backward()
         _drop_on_odd_steps(model, step, drop)
         opt.step()
@@ -69,11 +70,32 @@ def _late_gradient_reference(name: str, rank: int, drop: bool = False) -> torch.
     return problem.flat_params(model)
 
 
+def _mismatch_then_flush(name: str, rank: int, steps: int) -> tuple[str, torch.Tensor]:
+    """`steps` steps, then one whose wire settings change differently on each rank (the
+    handshake refuses it: PeerMismatchError), then flush()."""
+    model = problem.make_model()
+    opt = REGISTRY[name].build(list(model.parameters()))
+    topk, raised = opt.param_groups[0]["topk"], "nothing"
+    for step in range(steps + 1):
+        problem.loss_on(model, *problem.batch(rank, step)).backward()
+        if step == steps:
+            opt.param_groups[0]["topk"] += 1 + rank
+        try:
+            opt.step()
+        except PeerMismatchError:
+            raised = "PeerMismatchError"
+        opt.zero_grad()
+    opt.param_groups[0]["topk"] = topk
+    opt.flush()
+    return raised, problem.flat_params(model)
+
+
 def _both(rank: int, world: int) -> dict:
     runs = {name: (_overlapped(name, rank), _late_gradient_reference(name, rank)) for name in PAIRS}
     runs["demo-lookahead"] = (_overlapped("demo-lookahead", rank), _overlapped("demo-overlap", rank))
     runs["demo-overlap, bias without gradient on odd steps"] = (_overlapped("demo-overlap", rank, drop=True),
                                                                 _late_gradient_reference("demo-overlap", rank, drop=True))
+    runs["mismatch"] = (_mismatch_then_flush("demo-lookahead", rank, 3), _overlapped("demo-lookahead", rank, steps=3))
     return runs
 
 
@@ -94,6 +116,16 @@ def test_lookahead_replicas_agree_after_flush_and_differ_from_plain_overlap(runs
     (rank0, plain0), (rank1, _) = runs[0]["demo-lookahead"], runs[1]["demo-lookahead"]
     assert torch.equal(rank0, rank1)
     assert not torch.equal(rank0, plain0)
+
+
+def test_a_peer_mismatch_leaves_the_exchange_in_flight_for_flush(runs):
+    """DeMo starts its step before it lands the previous one: the step refused by the
+    handshake must not take the previous step's exchange down with it."""
+    for per_rank in runs:
+        (raised, after_flush), reference = per_rank["mismatch"]
+        assert raised == "PeerMismatchError"
+        assert torch.equal(after_flush, reference)      # three steps, all applied
+    assert torch.equal(runs[0]["mismatch"][0][1], runs[1]["mismatch"][0][1])
 
 
 def _scheduled_run(base: str, steps: int = 8, **kw) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -200,7 +200,11 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
             self._look_ahead()
             return
         previous, self._inflight = self._inflight, None
-        self._start(previous[0])
+        try:
+            self._start(previous[0])
+        except BaseException:            # e.g. a peer mismatch, raised before this step changes any
+            self._inflight = previous    # state: the previous exchange stays in flight for flush()
+            raise
         current, self._inflight = self._inflight, previous
         try:
             self.finish_step()
