@@ -270,17 +270,19 @@ class DeMo(CommunicatingOptimizer):
                 else:                                       # one batched GEMM does the decay and the add
                     comp.transform.forward_image(plan.transform_input(p.grad, a), plan, step, out=m, scratch=b,
                                                  beta=beta, alpha=weight)
-                comp.write(comp.select(m, p.shape, scratch=a), p.shape, out=out)
+                sent = comp.select(m, p.shape, scratch=a)
             else:
                 m.mul_(beta)                                # M ← βM + w·g
                 if p.grad is not None:
                     m.add_(p.grad, alpha=weight)
                 image = comp.transform.forward_image(plan.transform_input(m, a), plan, step, out=plan.matrix_in(a),
                                                      scratch=b)
-                comp.write(comp.select(image, p.shape, scratch=b), p.shape, out=out)
+                sent = comp.select(image, p.shape, scratch=b)
+            values = comp.write(sent, p.shape, out=out).parts["values"]
             if self.lookahead_form == "momentum":        # lookahead needs overlap (checked at init)
                 self._keep_ahead(step, key, m)
-            self._subtract_sent(step, group, p, comp, m, out, -group["alpha"], (a, b))
+            own = (sent[0], comp.codec.decode(values, *sent[1].shape))    # Q̂_i: the values as the wire has them
+            self._subtract_sent(step, group, p, comp, m, own, -group["alpha"], (a, b))
 
     def _keep_ahead(self, step: int, key: torch.Tensor, m: torch.Tensor) -> None:
         """lookahead='momentum': M_i before the subtraction, copied while encoding where it is at
@@ -292,10 +294,9 @@ class DeMo(CommunicatingOptimizer):
         ahead.copy_(m)
         self._ahead_step = step
 
-    def _subtract_sent(self, step: int, group: dict, p, comp: ChunkedTopK, m: torch.Tensor, out: torch.Tensor,
+    def _subtract_sent(self, step: int, group: dict, p, comp: ChunkedTopK, m: torch.Tensor, own: tuple,
                        alpha: float, scratch: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """M ← M + alpha·T⁻¹(Q̂_i), Q̂_i read back from this rank's own payload bytes `out`."""
-        own = comp.read(Payload.from_buffer(out, comp.payload_spec(p.shape)), p.shape)
+        """M ← M + alpha·T⁻¹(Q̂_i), Q̂_i = `own`: (indices, values) of this rank's message."""
         if momentum_in_transform(group):                    # sparse: no transform needed
             comp.scatter(m, own, p.shape, alpha=alpha)
             plan = comp.plan(p.shape)
@@ -310,8 +311,9 @@ class DeMo(CommunicatingOptimizer):
         slots = self._slots(layout)
         scratch = self._scratch(slots)
         for group, p, comp, offset, n, key in slots:
-            self._subtract_sent(step, group, p, comp, self.state[key]["momentum"],
-                                exchange.payload[offset: offset + n], group["alpha"], scratch)
+            own = comp.read(Payload.from_buffer(exchange.payload[offset: offset + n], comp.payload_spec(p.shape)),
+                            p.shape)
+            self._subtract_sent(step, group, p, comp, self.state[key]["momentum"], own, group["alpha"], scratch)
 
     def _estimate(self, step: int, layout: list[Member], exchange: GatherAll) -> None:
         """Overlap's lookahead, this rank's estimate of the update in flight:
