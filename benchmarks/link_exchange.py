@@ -26,19 +26,11 @@ import torch
 
 from thinwire.comm import Communicator
 from thinwire.optim.exchange import GatherAll
+from thinwire.train.config import parse_rate
 from thinwire.train.launch import launch
 from thinwire.train.netns import EmulatedLink, available
 
 WARMUP = 5                     # exchanges before timing: TCP's window opens, gloo connects
-
-
-def parse_rate(text: str) -> float:
-    """'10mbit' -> 10e6 bits per second (also kbit, gbit, bare bits)."""
-    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
-    for unit, scale in units.items():
-        if text.lower().endswith(unit):
-            return float(text[: -len(unit)]) * scale
-    raise ValueError(f"rate must look like 10mbit, got {text!r}")
 
 
 def _exchanges(comm: Communicator, nbytes: int, count: int, pipelined: bool) -> list[float]:
@@ -86,7 +78,7 @@ def measure(rate_bps: float, nbytes: int, count: int) -> dict[str, list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rate", default="10mbit", help="link rate, e.g. 10mbit, 100mbit")
+    parser.add_argument("--rate", default="10mbit", type=parse_rate, help="link rate, e.g. 10mbit, 100mbit")
     parser.add_argument("--bytes", type=int, nargs="+", default=[136_709],
                         help="payload bytes per rank and exchange (136709: DeMo on `wan`)")
     parser.add_argument("--exchanges", type=int, default=60, help="timed exchanges per mode")
@@ -94,7 +86,7 @@ def main() -> None:
     ok, why = available()
     if not ok:
         raise SystemExit(f"link_exchange: {why}")
-    rate = parse_rate(args.rate)
+    rate = args.rate
     torch.set_num_threads(1)
     print("| bytes/rank | line rate s | blocking s: median (mean) | pipelined s: median (mean) |")
     print("|---|---|---|---|")

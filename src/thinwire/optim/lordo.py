@@ -52,7 +52,6 @@ import math
 import warnings
 
 import torch
-import torch.distributed as dist
 
 from ..ops import adam_denominator, lowrank
 from .base import Member
@@ -102,15 +101,13 @@ def whole_norms(layout: list[Member]) -> list[float | None]:
         return [None] * len(layout)
     values = torch.stack(values)                       # [clipped parameters]
     kept = [m for m, c in zip(layout, clip) if c]
-    by_site: dict = {}
+    by_site: dict = {}                                 # site group -> rows of its shards
     for i, m in enumerate(kept):
         if is_sharded(m.key):
             by_site.setdefault(m.key.device_mesh.get_group(), []).append(i)
-    for group, rows in by_site.items():               # the same rows on every rank of the site
+    for rows in by_site.values():                      # the same rows on every rank of the site
         index = torch.tensor(rows, device=values.device)
-        summed = values[index]
-        dist.all_reduce(summed, group=group)
-        values[index] = summed.sqrt()
+        values[index] = site_sum_(kept[rows[0]].key, values[index]).sqrt()
     norms = iter(values.tolist())
     return [next(norms) if c else None for c in clip]
 
