@@ -15,10 +15,10 @@ A checkpoint is one DCP folder `<out>/checkpoint/step-NNNNNN/` holding
     A per-rank key is the point: DCP's planner keeps one copy of a value saved under the
     same key on every rank, which would silently replace every rank's error buffers by
     rank 0's (DeepSpeed 1-bit Adam's bug). With an optimizer whose replicas differ between
-    syncs (LoRDO, DiLoCo) every rank's own parameters are saved there too: "model" holds
-    one replica;
-  * "optim": under FSDP2 HSDP a plain torch optimizer's DTensor state, sharded
-    (get_optimizer_state_dict), instead of per-rank bytes;
+    syncs (`Built.replicas_drift`: LoRDO, DiLoCo) every rank's own parameters are saved
+    there too: "model" holds one replica;
+  * "optim": a plain torch optimizer's state (`Built.per_rank_state` False), under FSDP2
+    HSDP its DTensor state, sharded (get_optimizer_state_dict), instead of per-rank bytes;
   * `thinwire.json` (rank 0): the step, optimizer, lr, world size, config, parameter shapes
     and the size of every file in the folder.
 The step is the data position (data.train_batch is a pure function of the step). DCP
@@ -125,18 +125,6 @@ def _previous(path: Path) -> str:
             else "; remove it to start afresh")
 
 
-def _shards_optimizer_as_dtensor(opt) -> bool:
-    from ..optim.base import CommunicatingOptimizer
-    return not isinstance(opt, CommunicatingOptimizer)
-
-
-def _replicas_drift(opt) -> bool:
-    """Whether replicas differ between exchanges (LoRDO, DiLoCo: local steps between syncs):
-    then "model" holds one rank's copy, and every rank's own parameters go in its own key."""
-    from ..optim.diloco import PeriodicAveraging
-    return isinstance(opt, PeriodicAveraging)
-
-
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
@@ -155,11 +143,11 @@ def _state(model, built, sched, rank: int, with_optimizer: bool, extra: dict | N
         opt.flush()             # the in-flight update applied (and a lookahead taken back) before the model is read
     mine = {"scheduler": sched.state_dict(), "rng": _rng_state(), "extra": extra or {}}
     state = {"model": get_model_state_dict(model)}
-    if _shards_optimizer_as_dtensor(opt):
+    if not built.per_rank_state:                       # a torch optimizer: through DCP (sharded under HSDP)
         state["optim"] = get_optimizer_state_dict(model, opt)
     elif with_optimizer:
         mine["optimizer"] = opt.state_dict()           # flushes an exchange in flight
-    if with_optimizer and _replicas_drift(opt):
+    if with_optimizer and built.replicas_drift:        # "model" holds one replica: each rank's own here
         mine["params"] = {n: _local(p).detach().clone() for n, p in model.named_parameters()}
     buf = io.BytesIO()
     if with_optimizer:

@@ -22,14 +22,18 @@ Overlap. `cfg.overlap` (`--overlap`) builds every thinwire optimizer with overla
 exchange left in flight while the next step computes); "<name>-overlap" entries (demo-overlap,
 ef21-muon-overlap, apmsqueeze-overlap, lordo-overlap, diloco-overlap) build it with overlap
 whatever the flag, so one table can hold both. PowerSGD and the DDP baselines cannot take it
-(`OptimizerSpec.can_overlap` False; run.check_run refuses them with one line): DDP overlaps
-its all-reduce with backward by itself.
+(their `OptimizerSpec.why_no_overlap` says why; run.check_run refuses them with that line): DDP
+overlaps its all-reduce with backward by itself.
 
 Under `--sites` with several ranks per site (train/sites.py) a thinwire optimizer
 (`on_shards`) is built on the model's FSDP2 shards with `group` = the process group across
 sites; a dense baseline with an `hsdp` factory becomes the plain torch optimizer under FSDP2
 HSDP (Muon, without one, is DenseAllReduce on the shards); PowerSGD's DDP hook is refused
-before any worker starts.
+(`why_no_shards`) before any worker starts.
+
+Checkpoints (train/checkpoint.py) read two facts off `Built`: `per_rank_state` (set by `_wrap`
+for every thinwire optimizer) and `replicas_drift` (LoRDO, DiLoCo). PowerSGD is not
+checkpointed (`why_no_checkpoint`).
 """
 
 from __future__ import annotations
@@ -51,6 +55,13 @@ class Built:
     stats: CommStats
     counts_itself: bool = True             # False: the loop calls stats.begin_step()
     calibrate: Callable | None = None      # batches -> compute-only s/step (DDP; train/ddp.py)
+    # True: a thinwire optimizer, whose state_dict() is this rank's own (error feedback, local
+    # momenta), checkpointed under a per-rank key. False: a torch optimizer, checkpointed through
+    # DCP's get_optimizer_state_dict (its state sharded under FSDP2 HSDP).
+    per_rank_state: bool = False
+    # Replicas differ between exchanges (local steps between syncs: LoRDO, DiLoCo), so a
+    # checkpoint holds every rank's own parameters besides the one replica in "model".
+    replicas_drift: bool = False
 
 
 @dataclass
@@ -63,8 +74,17 @@ class OptimizerSpec:
     counterpart: str = "adamw"             # the dense baseline it compresses (its bytes ratio)
     hsdp: Callable | None = None           # dense: (params, cfg, lr) -> the torch optimizer under HSDP
     on_shards: bool = False                # a thinwire optimizer that runs on FSDP2 shards (group=)
-    can_overlap: bool = True               # takes overlap=True (--overlap): thinwire optimizers
     overlap: bool = False                  # an "<name>-overlap" entry: always built with overlap=True
+    # Each "why_no_*" is a sentence naming the optimizer that says it cannot do that and why, for
+    # the harness's error message; "" (thinwire optimizers): it can.
+    why_no_overlap: str = ""               # cannot take overlap=True (--overlap is refused)
+    why_no_shards: str = ""                # cannot run on FSDP2 shards (several ranks per site)
+    why_no_checkpoint: str = ""            # a checkpoint would not hold all its state (train refuses)
+
+    @property
+    def can_overlap(self) -> bool:
+        """Takes overlap=True (--overlap): the thinwire optimizers."""
+        return not self.why_no_overlap
 
     def lr_for(self, preset: str) -> float:
         return self.default_lr.get(preset, self.default_lr["small"])
@@ -83,8 +103,9 @@ def get_optimizer(name: str) -> OptimizerSpec:
     return OPTIMIZERS[name]
 
 
-def _wrap(opt: torch.optim.Optimizer, model: torch.nn.Module) -> Built:
-    return Built(opt, model, opt.comm_stats)
+def _wrap(opt: torch.optim.Optimizer, model: torch.nn.Module, replicas_drift: bool = False) -> Built:
+    """A thinwire optimizer's Built: it counts its own bytes and its state is this rank's."""
+    return Built(opt, model, opt.comm_stats, per_rank_state=True, replicas_drift=replicas_drift)
 
 
 def _ov(cfg) -> bool:
@@ -180,13 +201,13 @@ def _lordo(model, cfg, lr, group=None):
     rank = cfg.lowrank or min(256, max(1, cfg.n_embd // 4))
     groups = [{"params": matrices, "low_rank": True}, {"params": rest, "low_rank": False}]
     return _wrap(LoRDO(groups, lr=lr, rank=rank, sync_every=cfg.sync_every, clip=LORDO_CLIP, betas=(0.9, 0.95),
-                       weight_decay=0.1, process_group=group, overlap=_ov(cfg)), model)
+                       weight_decay=0.1, process_group=group, overlap=_ov(cfg)), model, replicas_drift=True)
 
 
 def _diloco(model, cfg, lr, group=None):
     inner = lambda ps: _torch_adamw(ps, cfg, lr)  # noqa: E731
     return _wrap(DiLoCo(model.parameters(), inner=inner, sync_every=cfg.sync_every, process_group=group,
-                        overlap=_ov(cfg)), model)
+                        overlap=_ov(cfg)), model, replicas_drift=True)
 
 
 def _powersgd(model, cfg, lr, group=None):
@@ -203,12 +224,19 @@ def _powersgd(model, cfg, lr, group=None):
 # take AdamW's rate there, unswept; the others fall back to their `small` rate. `sites` (the
 # wan model on 4 workers in 2 sites) takes wan's rates, unswept.
 _DENSE_LR = {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 3e-4, "sites": 3e-4}
-register(OptimizerSpec("adamw", _ddp(_torch_adamw), dict(_DENSE_LR), dense=True, can_overlap=False,
+
+
+def _ddp_overlaps_itself(name: str) -> str:
+    return (f"{name} cannot overlap (torch DDP overlaps its bucketed all-reduce with backward by itself; "
+            f"{name}-allreduce, thinwire's DenseAllReduce, takes --overlap)")
+
+
+register(OptimizerSpec("adamw", _ddp(_torch_adamw), dict(_DENSE_LR), dense=True,
                        description="torch DDP (fp32 bucketed all-reduce overlapped with backward) + AdamW",
-                       hsdp=_torch_adamw))
-register(OptimizerSpec("adam", _ddp(_torch_adam), dict(_DENSE_LR), dense=True, can_overlap=False,
+                       hsdp=_torch_adamw, why_no_overlap=_ddp_overlaps_itself("adamw")))
+register(OptimizerSpec("adam", _ddp(_torch_adam), dict(_DENSE_LR), dense=True,
                        description="torch DDP (fp32 bucketed all-reduce overlapped with backward) + Adam",
-                       counterpart="adam", hsdp=_torch_adam))
+                       counterpart="adam", hsdp=_torch_adam, why_no_overlap=_ddp_overlaps_itself("adam")))
 register(OptimizerSpec("adamw-allreduce", _adamw_allreduce, dict(_DENSE_LR), dense=True,
                        description="thinwire DenseAllReduce (one fp32 all-reduce after backward) + AdamW"))
 register(OptimizerSpec("adam-allreduce", _adam_allreduce, dict(_DENSE_LR), dense=True, counterpart="adam",
@@ -216,8 +244,14 @@ register(OptimizerSpec("adam-allreduce", _adam_allreduce, dict(_DENSE_LR), dense
 register(OptimizerSpec("muon", _muon, {"tiny": 3e-3, "small": 1e-2, "base": 1e-2}, dense=True,
                        description="dense fp32 all-reduce + Muon (AdamW for non-matrices)", counterpart="muon",
                        on_shards=True))
-register(OptimizerSpec("powersgd", _powersgd, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 3e-4, "sites": 3e-4},
-                       description="PyTorch DDP PowerSGD hook (rank 4) + AdamW", can_overlap=False))
+register(OptimizerSpec(
+    "powersgd", _powersgd, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 3e-4, "sites": 3e-4},
+    description="PyTorch DDP PowerSGD hook (rank 4) + AdamW",
+    why_no_overlap="powersgd cannot overlap (PyTorch's PowerSGD hook runs inside backward and the harness waits on it)",
+    why_no_shards="powersgd is PyTorch's DDP communication hook, which all-reduces whole gradients of an unsharded "
+                  "model; it cannot run on FSDP2 shards",
+    why_no_checkpoint="powersgd cannot be checkpointed: PyTorch's DDP hook keeps its error feedback outside the "
+                      "optimizer, where no checkpoint reaches it"))
 register(OptimizerSpec("demo", _demo, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 4e-4, "sites": 4e-4},
                        description="DeMo (DCT top-k, signum)", on_shards=True))
 register(OptimizerSpec("apmsqueeze", _apmsqueeze, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3},

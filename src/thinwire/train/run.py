@@ -35,8 +35,7 @@ def check_run(cfg: TrainConfig, optimizers: list[str], workers: int, data: str |
     for name in optimizers:
         spec = get_optimizer(name)
         if cfg.overlap and not spec.can_overlap:
-            raise ValueError(f"--overlap: {name} cannot overlap ({_no_overlap(name)}); overlap applies to "
-                             f"thinwire optimizers")
+            raise ValueError(f"--overlap: {spec.why_no_overlap}; overlap applies to thinwire optimizers")
     if len(set(optimizers)) != len(optimizers):
         raise ValueError(f"optimizers repeat a name: {optimizers}")
     if workers < 1:
@@ -55,15 +54,6 @@ def check_run(cfg: TrainConfig, optimizers: list[str], workers: int, data: str |
                                      f"site run it without --sites (or with --sites {workers})")
     train, val = load_corpus(data, cfg.vocab_size)
     check_corpus(train, val, cfg.context)
-
-
-def _no_overlap(name: str) -> str:
-    if name == "powersgd":
-        return "PyTorch's PowerSGD hook runs inside backward and the harness waits on it"
-    if name in ("adamw", "adam"):
-        return (f"torch DDP overlaps its bucketed all-reduce with backward by itself; {name}-allreduce, "
-                f"thinwire's DenseAllReduce, takes --overlap")
-    return "no overlap=True"
 
 
 def _link_context(link: str | None, workers: int, sites: int = 0):
@@ -130,9 +120,8 @@ def _checkpoint_dir(cfg, optimizers, workers, out_dir, every, lrs) -> str:
     name = optimizers[0]
     if every < 0:
         raise ValueError(f"--checkpoint-every must be >= 0, got {every}")
-    if name == "powersgd":
-        raise ValueError("powersgd cannot be checkpointed: PyTorch's DDP hook keeps its error feedback "
-                         "outside the optimizer, where no checkpoint reaches it")
+    if get_optimizer(name).why_no_checkpoint:
+        raise ValueError(get_optimizer(name).why_no_checkpoint)
     root = checkpoint_root(out_dir)
     path = latest(root)
     if path is not None:

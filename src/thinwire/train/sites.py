@@ -76,10 +76,7 @@ def why_not_on_shards(spec) -> str | None:
     """Why optimizer `spec` cannot run with several ranks per site, or None when it can."""
     if spec.hsdp is not None or spec.on_shards:
         return None
-    if spec.name == "powersgd":
-        return ("powersgd is PyTorch's DDP communication hook, which all-reduces whole gradients of an "
-                "unsharded model; it cannot run on FSDP2 shards")
-    return f"{spec.name} cannot run on FSDP2 shards"
+    return spec.why_no_shards or f"{spec.name} cannot run on FSDP2 shards"
 
 
 def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
