@@ -10,7 +10,7 @@ Local step on rank m, for each matrix parameter θ (p x q; conv weights as p x r
     θ ← θ (1 − η λ) − η [ ω P*(u / ((1−β₁ᵗ) D)) + (1−ω) Ĝ / mean(D) ]
 
 Sync every K = sync_every steps (after that step's local step), for all parameters in one
-flat buffer (`thinwire.optim.diloco.PeriodicAveraging`: wire formats, error feedback, and
+flat buffer (`thinwire.optim.periodic.PeriodicAveraging`: wire formats, error feedback, and
 what a non-finite gradient does):
 
     Δ̄ = mean_ranks (θ − θ₀)                        one all-reduce (or compressed all-gather)
@@ -55,7 +55,7 @@ import torch
 
 from ..ops import adam_denominator, lowrank
 from .base import Member
-from .diloco import PeriodicAveraging, Slot
+from .periodic import PeriodicAveraging, Slot
 from .shards import is_sharded, own_rows, row_range, site_rank, site_size, site_sum_, whole
 
 
@@ -208,13 +208,13 @@ class LoRDO(PeriodicAveraging):
             True or False (False: full-rank AdamW; use it for embeddings and the head).
         error_feedback (per group): keep E (default True; False saves one p x q buffer).
         wire: 'fp32' (default, all-reduce) | 'bf16' | 'int8' for the synced delta, with
-            error feedback (see `thinwire.optim.diloco`).
+            error feedback (see `thinwire.optim.periodic`).
         outer_lr, outer_momentum: optional Nesterov outer step on the averaged delta;
             the defaults 1.0 and 0.0 are plain averaging.
         nonfinite: 'raise' (default) or 'skip' when any rank's gradients are not finite
-            (see `thinwire.optim.diloco`).
+            (see `thinwire.optim.periodic`).
         overlap: True leaves each sync's exchange in flight until the next step(), which
-            applies it before its local step (`thinwire.optim.diloco`, "Overlap").
+            applies it before its local step (`thinwire.optim.periodic`, "Overlap").
     Initial parameters must be identical on all ranks (as with DDP's broadcast).
     State per parameter: 'step', 'exp_avg', 'exp_avg_sq' (float32), for low-rank ones 'Q'
     and 'error' (float32, p × rest), and the sync's 'anchor' etc. (`PeriodicAveraging`).

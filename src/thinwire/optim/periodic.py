@@ -1,0 +1,209 @@
+"""Periodic parameter averaging, what DiLoCo and LoRDO share (`PeriodicAveraging`): local
+steps, and every `sync_every`-th step a sync inside the step envelope (`thinwire.optim.base`).
+
+On every rank, with θ₀ the parameters all ranks agreed on at the last sync (the anchor):
+
+    θ ← local step(θ)                               every step (the algorithm's `_local_step`):
+                                                    local gradients, no communication
+    Δ̄ = mean_ranks (θ − θ₀)                        every H-th step, after its local step: one
+                                                    collective of one flat buffer
+    g = −Δ̄                                          the pseudo-gradient, mean_ranks (θ₀ − θ)
+    b ← μ b + g                                     outer momentum (torch SGD, dampening 0)
+    θ₀ ← θ₀ − η_out (g + μ b)                       Nesterov (η_out = 1, μ = 0: plain averaging)
+    θ ← θ₀                                          every rank leaves the sync bit-identical
+    `_after_sync`                                   the algorithm's own (LoRDO: its new basis)
+
+The wire:
+
+    wire='fp32'          `ReduceAll`: one all-reduce (sum) of the float32 deltas of every
+                         parameter, in layout order, followed by the envelope's trailer
+                         (`protocol.trailer_numel(P)` floats for P parameters): 4 (n + 17 + P)
+                         bytes per rank and sync for n elements
+    wire='bf16'|'int8'   `GatherAll`: each rank's x = Δ + e encoded by `DeltaCodec` (bf16, or
+                         int8 with one fp32 scale per 256 values) after the envelope's prefix
+                         (8-byte header, ceil(P / 8) bytes of presence); every rank decodes all
+                         rows in rank order and sums them in that order (`DeltaCodec.mean`).
+                         e ← x − decode(encode(x)): what the encoding lost, sent at the next sync
+
+Nothing crosses the wire on local steps, so the cost per step is the sync's over H. Every
+parameter takes part in every sync, with or without a gradient (its delta exists anyway).
+
+Non-finite gradients (`nonfinite`, the envelope's policy): a rank whose gradients are not
+finite skips its local step. At a sync, every rank sees the flag (that step's, or one a
+'raise' rank carried from a local step) and raises NonFiniteGradientError ('raise') or
+skips the sync ('skip'); either way the sync is not made on any rank: anchors, outer
+momenta, error feedback and (LoRDO) bases are unchanged, the healthy ranks keep that step's
+local step as on any local step, and the replicas next meet at the following sync.
+
+Overlap (`overlap=True`): a sync's exchange leaves at its step and is applied at the start of
+the next `step()` (θ₀ ← outer(θ₀, Δ̄); θ ← θ₀), before that step's local update, which uses
+the gradient the caller took at the pre-sync parameters: streaming DiLoCo's delayed outer
+step with a delay of one step. Nothing is discarded and no correction is needed: the one
+local step taken across the delay is the next step's, applied after the average (torchft's
+delay instead restores the pre-sync parameters and drops the local steps made meanwhile).
+
+Two tiers (FSDP2 shards, `process_group` = the group across sites): Δ, θ₀, the outer step
+and the sync run on this rank's shard, exchanged with the ranks holding it in the other sites.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..comm import DeltaCodec
+from ..comm.collectives import DELTA_WIRES
+from ..ops import nesterov_outer_
+from .base import CommunicatingOptimizer, Member
+from .exchange import GatherAll, ReduceAll
+
+
+class Slot(NamedTuple):
+    """One parameter's place in the flat delta: its group, tensor and element range."""
+    group: dict
+    param: torch.Tensor
+    offset: int
+    numel: int
+    key: torch.Tensor                 # the parameter itself (param: its shard under FSDP2)
+
+
+def slots_of(layout: list[Member]) -> list[Slot]:
+    slots, offset = [], 0
+    for group, p, key in layout:
+        slots.append(Slot(group, p, offset, p.numel(), key))
+        offset += p.numel()
+    return slots
+
+
+def check_sync_every(sync_every) -> int:
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
+    return sync_every
+
+
+def check_outer(outer_lr, outer_momentum) -> None:
+    if not outer_lr > 0.0:
+        raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
+    if not 0.0 <= outer_momentum < 1.0:
+        raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
+
+
+def check_wire(wire) -> str:
+    if wire not in DELTA_WIRES:
+        raise ValueError(f"wire must be one of {DELTA_WIRES}, got {wire!r}")
+    return wire
+
+
+def write_delta(out: torch.Tensor, p: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """Δ = θ − θ₀ into `out` (float32, contiguous, p's shape), each in float32: exact for bf16 θ."""
+    return out.copy_(p).sub_(anchor)
+
+
+def _reuse(buf: torch.Tensor | None, numel: int, device) -> torch.Tensor:
+    if buf is None or buf.numel() != numel or buf.device != torch.device(device):
+        buf = torch.empty(numel, dtype=torch.float32, device=device)
+    return buf
+
+
+class PeriodicAveraging(CommunicatingOptimizer):
+    """Local steps, and every `sync_every`-th step the averaged parameter delta (the module
+    docstring's sync). A subclass supplies `_local_step(step, layout)` (the inner update of
+    every parameter with a gradient) and optionally `_after_sync(slot, mean_delta)` and
+    `_describe_param(group, p)`; it calls `_init_sync(...)` after torch's __init__.
+
+    State per parameter, in self.state[p]: 'anchor' θ₀ (p's dtype and shape, contiguous),
+    'outer_momentum' b (float32 [n], when μ > 0), 'sync_error' e (float32 [n], lossy wires).
+    """
+
+    kind = "periodic-averaging"
+
+    def _init_sync(self, process_group, nonfinite: str, sync_every: int, outer_lr: float,
+                   outer_momentum: float, wire: str, overlap: bool = False) -> None:
+        self.sync_every = check_sync_every(sync_every)
+        check_outer(outer_lr, outer_momentum)
+        self.outer_lr, self.outer_momentum, self.wire = outer_lr, outer_momentum, check_wire(wire)
+        self._init_comm(process_group, nonfinite, overlap)
+        self.codec = None if wire == "fp32" else DeltaCodec(wire)
+        self._message = ReduceAll(self.comm) if self.codec is None else GatherAll(self.comm)
+        self._x = self._unsent = None       # lossy wires: x = Δ + e, and x − decoded(x) until applied
+
+    # ---- what the algorithm adds ---------------------------------------------------------
+    def _local_step(self, step: int, layout: list[Member]) -> None:
+        raise NotImplementedError
+
+    def _after_sync(self, slot: Slot, mean_delta: torch.Tensor) -> None:
+        """After θ ← θ₀ at a sync, with this parameter's Δ̄ (flat float32) (default: nothing)."""
+
+    def _describe_param(self, group: dict, p: torch.Tensor) -> str:
+        return ""
+
+    # ---- the envelope's hooks ------------------------------------------------------------
+    def _describe(self, layout: list[Member]) -> str:
+        lines = [f"{self.kind} world_size={self.comm.world_size} K={self.sync_every} wire={self.wire} "
+                 f"outer={self.outer_lr},{self.outer_momentum}"]
+        lines += [f"{tuple(p.shape)} {p.dtype} {self._describe_param(g, p)}".rstrip() for g, p, _ in layout]
+        return "\n".join(lines)
+
+    def _presence(self, layout: list[Member]) -> list[bool]:
+        """Every parameter has a delta to send, gradient or not."""
+        return [True] * len(layout)
+
+    def _exchange(self, step: int, layout: list[Member]):
+        if step % self.sync_every or not layout:
+            return None                                             # a local step
+        n, device = sum(m.param.numel() for m in layout), layout[0].param.device
+        if self.codec is None:
+            self._message.resize(len(layout), n, torch.float32, device)
+        else:
+            self._message.resize(len(layout), self.codec.nbytes(n), device)
+        return self._message
+
+    def _prepare(self, step: int, layout: list[Member]) -> None:
+        for _, p, key in layout:
+            state = self.state[key]
+            if "anchor" not in state:                               # θ₀: the parameters before the first step
+                state["anchor"] = p.detach().clone(memory_format=torch.contiguous_format)
+            elif not state["anchor"].is_contiguous():               # a loaded one, whatever its strides
+                state["anchor"] = state["anchor"].contiguous()
+            if self.outer_momentum and "outer_momentum" not in state:
+                state["outer_momentum"] = torch.zeros(p.numel(), device=p.device)
+            if self.codec is not None and "sync_error" not in state:
+                state["sync_error"] = torch.zeros(p.numel(), device=p.device)
+
+    def _encode(self, step: int, layout: list[Member], exchange) -> None:
+        """The local step; at a sync, then Δ = θ − θ₀ of every parameter into the message."""
+        self._local_step(step, layout)
+        if exchange is None:
+            return
+        slots = slots_of(layout)
+        n, device = sum(s.numel for s in slots), layout[0].param.device
+        x = exchange.payload if self.codec is None else _reuse(self._x, n, device)
+        for _, p, offset, numel, key in slots:
+            part = x[offset: offset + numel]
+            # Δ = θ − θ₀
+            write_delta(part.view(p.shape), p, self.state[key]["anchor"])
+            if self.codec is not None:
+                # x = Δ + e                      error feedback: what earlier syncs did not deliver
+                part.add_(self.state[key]["sync_error"])
+        if self.codec is not None:
+            self._x, self._unsent = x, _reuse(self._unsent, n, device)
+            # e' = x − decode(encode(x)), kept aside: a sync that is not made must leave e as it was
+            self.codec.encode(x, out=exchange.payload, error=self._unsent)
+
+    def _apply(self, step: int, layout: list[Member], delivery) -> None:
+        slots = slots_of(layout)
+        n = sum(s.numel for s in slots)
+        # Δ̄ = mean_ranks Δ   (fp32: the all-reduce's mean; lossy: every row decoded, summed in rank order)
+        mean = delivery.data if self.codec is None else self.codec.mean(delivery.data, n)
+        for slot in slots:
+            p, state = slot.param, self.state[slot.key]
+            part = mean[slot.offset: slot.offset + slot.numel]
+            if self.codec is not None:                              # e ← e'
+                state["sync_error"].copy_(self._unsent[slot.offset: slot.offset + slot.numel])
+            # g = −Δ̄;  b ← μ b + g;  θ₀ ← θ₀ − η_out (g + μ b)
+            nesterov_outer_(state["anchor"].view(-1), part.neg(), state.get("outer_momentum"),
+                            self.outer_lr, self.outer_momentum)
+            # θ ← θ₀
+            p.copy_(state["anchor"])
+            self._after_sync(slot, part)
