@@ -141,10 +141,11 @@ SITES_CFG = get_preset("tiny", **{**TINY, **dict(steps=4, eval_every=2, workers=
 
 def _train_under_sites(rank: int, world: int, name: str, out: Path) -> None:
     """What compare(SITES_CFG, [name], out, checkpoint=True, checkpoint_every=2) runs on a worker."""
+    from thinwire.train.config import RunOptions
     from thinwire.train.optimizers import get_optimizer
     from thinwire.train.worker import train_worker
     train_worker(rank, world, SITES_CFG, name, get_optimizer(name).lr_for(SITES_CFG.name), str(out / f"{name}.jsonl"),
-                 checkpoint_dir=str(checkpoint_root(out)), checkpoint_every=2)
+                 RunOptions(out_dir=str(out), quiet=True, checkpoint=True, checkpoint_every=2))
 
 
 def _resume_each_under_sites(rank: int, world: int, root: str) -> None:

@@ -70,18 +70,22 @@ def config_from_args(args):
                       overlap=getattr(args, "overlap", None))
 
 
+def options_from_args(args):
+    """The RunOptions of `thinwire train|compare` (workers: the preset's, as overridden)."""
+    from .config import RunOptions, parse_time
+    train = args.command == "train"
+    return RunOptions(out_dir=args.out, link=args.link, latency_s=parse_time(args.latency) if args.latency else None,
+                      target=args.target, data=args.data, quiet=args.quiet, checkpoint=train,
+                      checkpoint_every=args.checkpoint_every if train else 0,
+                      peer_timeout=args.peer_timeout if train else None)
+
+
 def _train_or_compare(args) -> None:
-    from .config import parse_time
     from .run import compare
     cfg = config_from_args(args)
     names = [args.optimizer.lower()] if args.command == "train" else [n.strip().lower() for n in args.optimizers.split(",")
                                                               if n.strip()]
-    latency = parse_time(args.latency) if args.latency else None
-    train = args.command == "train"
-    compare(cfg, names, workers=cfg.workers, out_dir=args.out, link=args.link, latency_s=latency,
-            target=args.target, data=args.data, quiet=args.quiet, checkpoint=train,
-            checkpoint_every=args.checkpoint_every if train else 0,
-            peer_timeout=args.peer_timeout if train else None)
+    compare(cfg, names, options_from_args(args))
 
 
 def main(argv=None) -> None:
@@ -106,12 +110,12 @@ def main(argv=None) -> None:
         sys.exit(1)
 
 
-def _torchrun_checkpoint(args, cfg) -> str | None:
-    """<out>/checkpoint under torchrun (every rank checks the latest checkpoint before joining)."""
+def _torchrun_checkpoint(args, cfg) -> None:
+    """Under torchrun every rank checks the latest checkpoint in <out>/checkpoint before joining."""
     if not args.out:
         if args.checkpoint_every:
             raise SystemExit("thinwire: error: --checkpoint-every needs --out")
-        return None
+        return
     from .checkpoint import CheckpointError, check, checkpoint_root, expected_meta, latest
     from .optimizers import get_optimizer
     root = checkpoint_root(args.out)
@@ -125,7 +129,6 @@ def _torchrun_checkpoint(args, cfg) -> str | None:
         if os.environ["RANK"] == "0":
             print(f"thinwire: resuming {args.optimizer} from {path} (step {meta['step']} of {cfg.steps})",
                   file=sys.stderr)
-    return str(root)
 
 
 def torchrun_main(argv=None) -> None:
@@ -144,7 +147,7 @@ def torchrun_main(argv=None) -> None:
         main(["train", *argv])
         return
     args = build_parser().parse_args(["train", *argv])
-    cfg = config_from_args(args)
+    cfg, opts = config_from_args(args), options_from_args(args)
     if args.link:
         raise SystemExit("thinwire: error: --link emulates links between local workers; under torchrun "
                          "the links are real (use `thinwire train --link ...` without torchrun)")
@@ -163,26 +166,24 @@ def torchrun_main(argv=None) -> None:
     from .launch import init_from_env
     from .optimizers import get_optimizer
     from .worker import PeerFailure, train_worker
-    ckpt = _torchrun_checkpoint(args, cfg)
-    rank, world = init_from_env(args.peer_timeout)
+    _torchrun_checkpoint(args, cfg)
+    rank, world = init_from_env(opts.peer_timeout)
     try:
         lr = cfg.lr or get_optimizer(args.optimizer).lr_for(cfg.name)
         log = os.path.join(args.out, f"{args.optimizer}.jsonl") if args.out else None
         if log and rank == 0:
             os.makedirs(args.out, exist_ok=True)
         try:
-            train_worker(rank, world, cfg, args.optimizer, lr, log, args.quiet, args.data, ckpt,
-                         args.checkpoint_every, args.peer_timeout)
+            train_worker(rank, world, cfg, args.optimizer, lr, log, opts)
         except (PeerFailure, ValueError) as err:        # a dead peer, a bad checkpoint: one clear line each
             print(f"thinwire: error: {err}", file=sys.stderr, flush=True)
             os._exit(1)                                 # the group is broken: tearing it down could wait
         if log and rank == 0:
             from pathlib import Path
-            from .config import parse_time
             from .report import read_log
             from .run import DEFAULT_LATENCY_S, report
             logs = {args.optimizer: {**read_log(log), "lr": lr}}
-            latency = parse_time(args.latency) if args.latency else DEFAULT_LATENCY_S
-            report(cfg, logs, world, Path(args.out), latency, args.target)
+            latency = DEFAULT_LATENCY_S if opts.latency_s is None else opts.latency_s
+            report(cfg, logs, world, Path(args.out), latency, opts.target)
     finally:
         dist.destroy_process_group()

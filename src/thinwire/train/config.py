@@ -1,4 +1,5 @@
-"""Presets for `thinwire train` / `thinwire compare`, and parsing of bandwidths and links.
+"""Presets for `thinwire train` / `thinwire compare`, the options of a run (`RunOptions`:
+workers, output, link, checkpoints), and parsing of bandwidths and links.
 
 A preset is a named `TrainConfig`; command-line flags override single fields
 (`dataclasses.replace`). Sizes are chosen for CPU workers: `tiny` is a smoke test (about
@@ -52,6 +53,56 @@ class TrainConfig:
     @property
     def warmup_steps(self) -> int:
         return max(1, round(self.warmup_frac * self.steps))
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How `thinwire train` / `thinwire compare` run a `TrainConfig`: on how many workers,
+    over which link, what they write and report (train/run.py's `compare`; every worker of a
+    run gets the same, train/worker.py's `train_worker`)."""
+
+    workers: int | None = None
+    """Worker processes; None: the preset's (`TrainConfig.workers`)."""
+
+    out_dir: str | None = None
+    """Directory of the logs, summary.json, table.md and plots; None: a fresh temporary one."""
+
+    link: str | None = None
+    """Emulated slow link between workers (between sites under --sites), e.g. "100mbit,20ms"."""
+
+    latency_s: float | None = None
+    """Per-collective latency of modelled time; None: the link's delay, else run.DEFAULT_LATENCY_S."""
+
+    target: float | None = None
+    """Target validation loss; None: the dense baseline's final one x 1.02."""
+
+    data: str | None = None
+    """Text file, directory of text files or .bin of token ids; None: the stdlib's source."""
+
+    quiet: bool = False
+    """No progress bars."""
+
+    lrs: dict[str, float] | None = None
+    """Base learning rate per optimizer name (a sweep's); it wins over --lr and the registry's."""
+
+    show: bool = True
+    """Print the table and where the logs are."""
+
+    checkpoint: bool = False
+    """`thinwire train` (one optimizer): with `out_dir`, checkpoint under <out>/checkpoint/ and
+    resume from the latest complete checkpoint there (train/checkpoint.py)."""
+
+    checkpoint_every: int = 0
+    """Steps between checkpoints; 0: a checkpoint at the end only."""
+
+    peer_timeout: float | None = None
+    """Seconds a collective waits for a silent peer before every survivor raises; None:
+    launch.DEFAULT_PEER_TIMEOUT."""
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether the run checkpoints and resumes: `checkpoint` with an `out_dir`."""
+        return self.checkpoint and bool(self.out_dir)
 
 
 # One line per field for `--help` (the CLI's overrides).

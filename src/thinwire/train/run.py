@@ -1,6 +1,7 @@
 """`thinwire train` / `thinwire compare`: run optimizers on N workers, then report.
 
-    rows = compare(cfg, ["adamw", "demo"], workers=4, out_dir="runs/x")
+    rows = compare(cfg, ["adamw", "demo"], RunOptions(workers=4, out_dir="runs/x"))
+    rows = compare(cfg, ["adamw", "demo"], workers=4, out_dir="runs/x")     # the same
 
 Each optimizer runs in turn on the same data, seed and initial weights, on `workers` real
 gloo processes (optionally across an emulated link, netns.EmulatedLink). Rank 0 logs every
@@ -16,9 +17,10 @@ import json
 import sys
 import tempfile
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
-from .config import TrainConfig, check_sites, parse_link
+from .config import RunOptions, TrainConfig, check_sites, parse_link
 from .data import check_corpus, load_corpus
 from .launch import launch
 from .optimizers import OPTIMIZERS, get_optimizer
@@ -70,65 +72,58 @@ def _link_context(link: str | None, workers: int, sites: int = 0):
             {"spec": link, "rate_bps": rate, "delay_s": delay, "sites": sites or workers})
 
 
-def compare(cfg: TrainConfig, optimizers: list[str], workers: int | None = None, out_dir: str | None = None,
-            link: str | None = None, latency_s: float | None = None, target: float | None = None,
-            data: str | None = None, quiet: bool = False, lrs: dict[str, float] | None = None,
-            show: bool = True, checkpoint: bool = False, checkpoint_every: int = 0,
-            peer_timeout: float | None = None) -> list[dict]:
-    """Run each optimizer on `workers` processes (default: the preset's `cfg.workers`); the rows.
+def compare(cfg: TrainConfig, optimizers: list[str], options: RunOptions | None = None, **fields) -> list[dict]:
+    """Run each optimizer on `options.workers` processes (default: the preset's `cfg.workers`);
+    the rows. `fields`: RunOptions fields as keywords, over those of `options`.
 
-    `checkpoint` (`thinwire train`, one optimizer, needs `out_dir`): checkpoints under
+    `options.checkpoint` (`thinwire train`, one optimizer, needs `out_dir`): checkpoints under
     `<out>/checkpoint/` every `checkpoint_every` steps and at the end, and the run resumes
-    from the latest complete one there (train/checkpoint.py). `peer_timeout`: seconds a
-    collective waits for a silent peer before every survivor raises."""
-    workers = cfg.workers if workers is None else workers
-    check_run(cfg, optimizers, workers, data)
-    if checkpoint_every and not checkpoint:
+    from the latest complete one there (train/checkpoint.py)."""
+    opts = replace(options or RunOptions(), **fields)
+    workers = cfg.workers if opts.workers is None else opts.workers
+    check_run(cfg, optimizers, workers, opts.data)
+    if opts.checkpoint_every and not opts.checkpoint:
         raise ValueError("--checkpoint-every belongs to `thinwire train` (one optimizer per run)")
-    if peer_timeout is not None and peer_timeout <= 0:
-        raise ValueError(f"--peer-timeout must be > 0 seconds, got {peer_timeout}")
-    ckpt_dir = None
-    if checkpoint and out_dir:
-        ckpt_dir = _checkpoint_dir(cfg, optimizers, workers, out_dir, checkpoint_every, lrs)
-    elif checkpoint_every:
+    if opts.peer_timeout is not None and opts.peer_timeout <= 0:
+        raise ValueError(f"--peer-timeout must be > 0 seconds, got {opts.peer_timeout}")
+    if opts.writes_checkpoints:
+        _check_resumable(cfg, optimizers, workers, opts)
+    elif opts.checkpoint_every:
         raise ValueError("--checkpoint-every needs --out (checkpoints go to <out>/checkpoint/)")
-    out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="thinwire-"))
+    out = Path(opts.out_dir) if opts.out_dir else Path(tempfile.mkdtemp(prefix="thinwire-"))
     out.mkdir(parents=True, exist_ok=True)
-    context, link_info = _link_context(link, workers, cfg.sites)
+    context, link_info = _link_context(opts.link, workers, cfg.sites)
+    latency_s = opts.latency_s
     if latency_s is None:
         latency_s = link_info["delay_s"] if link_info and link_info["delay_s"] else DEFAULT_LATENCY_S
     logs = {}
     with context as emulated:
         for name in optimizers:
-            lr = (lrs or {}).get(name) or cfg.lr or get_optimizer(name).lr_for(cfg.name)
+            lr = (opts.lrs or {}).get(name) or cfg.lr or get_optimizer(name).lr_for(cfg.name)
             path = out / f"{name}.jsonl"
             kwargs = ({"namespaces": emulated.namespaces, "ifname": emulated.ifname} if emulated else {})
-            launch(train_worker, workers, args=(cfg, name, lr, str(path), quiet, data, ckpt_dir, checkpoint_every,
-                                                peer_timeout), timeout=peer_timeout, **kwargs)
+            launch(train_worker, workers, args=(cfg, name, lr, str(path), opts), timeout=opts.peer_timeout, **kwargs)
             logs[name] = read_log(path)
             logs[name]["lr"] = lr
-    return report(cfg, logs, workers, out, latency_s, target, link_info, show)
+    return report(cfg, logs, workers, out, latency_s, opts.target, link_info, opts.show)
 
 
-def _checkpoint_dir(cfg, optimizers, workers, out_dir, every, lrs) -> str:
-    """<out>/checkpoint, after checking the latest checkpoint there (if any) can be resumed by
-    this run: CheckpointError (a ValueError) naming what differs or is corrupt, before any
-    worker starts."""
+def _check_resumable(cfg: TrainConfig, optimizers: list[str], workers: int, opts: RunOptions) -> None:
+    """Check the latest checkpoint in <out>/checkpoint (if any) can be resumed by this run:
+    CheckpointError (a ValueError) naming what differs or is corrupt, before any worker starts."""
     from .checkpoint import check, checkpoint_root, expected_meta, latest
     if len(optimizers) != 1:
         raise ValueError("checkpoints hold one optimizer's run: use `thinwire train`")
     name = optimizers[0]
-    if every < 0:
-        raise ValueError(f"--checkpoint-every must be >= 0, got {every}")
+    if opts.checkpoint_every < 0:
+        raise ValueError(f"--checkpoint-every must be >= 0, got {opts.checkpoint_every}")
     if get_optimizer(name).why_no_checkpoint:
         raise ValueError(get_optimizer(name).why_no_checkpoint)
-    root = checkpoint_root(out_dir)
-    path = latest(root)
+    path = latest(checkpoint_root(opts.out_dir))
     if path is not None:
-        lr = (lrs or {}).get(name) or cfg.lr or get_optimizer(name).lr_for(cfg.name)
+        lr = (opts.lrs or {}).get(name) or cfg.lr or get_optimizer(name).lr_for(cfg.name)
         meta = check(path, expected_meta(cfg, name, lr, workers))
         print(f"thinwire: resuming {name} from {path} (step {meta['step']} of {cfg.steps})", file=sys.stderr)
-    return str(root)
 
 
 def report(cfg: TrainConfig, logs: dict[str, dict], workers: int, out: Path, latency_s: float,

@@ -1,6 +1,6 @@
 """One rank of a training run: the loop, its timing, its log.
 
-    train_worker(rank, world, cfg, optimizer_name, lr, log_path, quiet)
+    train_worker(rank, world, cfg, optimizer_name, lr, log_path, options)   # config.RunOptions
 
 Each step: this rank's shard of the batch, forward, backward, `opt.step()` (which
 communicates), LR schedule (linear warmup, then cosine to `min_lr_frac`). Timed per step:
@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .checkpoint import check, expected_meta, latest, load, save
+from .checkpoint import check, checkpoint_root, expected_meta, latest, load, save
+from .config import RunOptions
 from .data import load_corpus, train_batch, val_starts, windows
 from .model import build_model
 from .optimizers import get_optimizer
@@ -108,16 +109,18 @@ def _timed_step(built, sched, x, y, fsdp=None, last: bool = False) -> dict:
 
 
 def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path: str | None,
-                 quiet: bool = True, data_path: str | None = None, checkpoint_dir: str | None = None,
-                 checkpoint_every: int = 0, peer_timeout: float | None = None) -> None:
+                 options: RunOptions) -> None:
     """Train `cfg`'s model with `optimizer` at base `lr` on this rank; rank 0 logs to `log_path`.
 
-    With `checkpoint_dir` (train/checkpoint.py): resume from its latest complete checkpoint
-    when there is one, and write one every `checkpoint_every` steps (0: none) and at the end.
-    A collective that fails (a peer died, or sent nothing for `peer_timeout` seconds, the
-    process group's timeout) raises PeerFailure naming the step."""
+    When `options.writes_checkpoints` (train/checkpoint.py): resume from the latest complete
+    checkpoint under <out>/checkpoint when there is one, and write one every
+    `options.checkpoint_every` steps (0: none) and at the end. A collective that fails (a peer
+    died, or sent nothing for `options.peer_timeout` seconds, the process group's timeout)
+    raises PeerFailure naming the step."""
     install()                                       # time what the Communicator waits on
-    train_ids, val_ids = load_corpus(data_path, cfg.vocab_size)
+    checkpoint_dir = str(checkpoint_root(options.out_dir)) if options.writes_checkpoints else None
+    checkpoint_every = options.checkpoint_every
+    train_ids, val_ids = load_corpus(options.data, cfg.vocab_size)
     device = _device()
     model = build_model(cfg).to(device)
     tiers, fsdp = Tiers.of(cfg, world), None
@@ -137,7 +140,7 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
         done = step = load(resume, model, built, sched, rank, saved)
         inter_steps = saved.get("inter_steps", [])
     log = _open_log(log_path, done) if rank == 0 else None
-    bar = Progress(optimizer, cfg.steps, enabled=(rank == 0 and not quiet))
+    bar = Progress(optimizer, cfg.steps, enabled=(rank == 0 and not options.quiet))
     try:
         if not done:
             val = evaluate(model, val_ids, starts, cfg, rank, world)
@@ -171,7 +174,7 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
     except Exception as err:
         if peer_failed(err):
             raise PeerFailure(f"rank {rank} of {world}: step {step}: a peer died or did not answer within the "
-                              f"peer timeout ({_seconds(peer_timeout)}); no checkpoint of it was written "
+                              f"peer timeout ({_seconds(options.peer_timeout)}); no checkpoint of it was written "
                               f"({type(err).__name__}: {_first_line(err)})") from err
         raise
     finally:
