@@ -12,7 +12,6 @@ import math
 import numpy as np
 import torch
 
-from tests.optim import contract, problem
 from thinwire.comm import Communicator
 from thinwire.comm.collectives import compressed_allreduce
 from thinwire.comm.communicator import Pending
@@ -23,10 +22,6 @@ HEADER = 8
 N_VALUES, ROUNDS = 1000, 3            # all-reduce test: unpadded length and rounds of error feedback
 SHAPES, WARMUP, STEPS = [(5, 7), (3,)], 2, 5
 LR, BETAS, EPS, WD = 0.01, (0.9, 0.99), 1e-8, 0.1
-
-
-def make_apmsqueeze(params, **kwargs):
-    return APMSqueeze(params, **kwargs)
 
 
 def padded(n: int, world: int) -> int:
@@ -217,14 +212,12 @@ def _snapshot(opt, params) -> dict:
             "worker_error": opt.worker_error.clone(), "server_error": opt.server_error.clone()}
 
 
-def suite(rank: int, world: int, configs: dict) -> dict:
+def suite(rank: int, world: int) -> dict:
     """Everything a world size needs, in one spawn (each spawn costs seconds of start-up)."""
     torch.manual_seed(0)
-    out = {"contract": contract.run_contract(rank, world, configs),
-           "allreduce": allreduce_rounds(rank, world), "optimizer": optimizer_run(rank, world),
+    out = {"allreduce": allreduce_rounds(rank, world), "optimizer": optimizer_run(rank, world),
            "grads": grads_of(rank)}
     out["absent"] = absent_run(rank, world)
     if world > 1:
         out["nonfinite"] = {policy: nonfinite_run(rank, world, policy) for policy in ("raise", "skip")}
-    out["numel"] = sum(p.numel() for p in problem.make_model().parameters())
     return out

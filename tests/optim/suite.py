@@ -1,27 +1,44 @@
-"""The contract every optimizer in `registry.REGISTRY` passes, run inside real gloo workers.
+"""The contract every optimizer configuration in `registry.CONFIGS` passes, run inside real
+gloo workers.
 
-`run_suite(rank, world, names)` runs every case below for every named configuration and
-returns {name: {case: result or {'error': traceback}}}; test_suite.py asserts on them.
+`run_suite(rank, world, names)` runs the cases below that each named configuration lists
+(every one for REGISTRY's; 'run' for VARIANTS') and returns {(name, case): result or
+{'error': traceback}}; test_suite.py asserts on them. `on_world(fn, world)` runs such a
+function on every rank of a world.
 """
 
 from __future__ import annotations
 
 import io
-import math
 import traceback
 
 import torch
 
-from tests.dist import outcome_of
+from tests.dist import outcome_of, run_workers
 from tests.optim import problem
-from tests.optim.registry import REGISTRY
+from tests.optim.registry import CONFIGS
 
 STEPS, RESUME_AT, BAD_STEP = 12, 6, 5     # three syncs at K = 4, a resume and a bad gradient mid-interval
 
 
-def train(opt, model, rank: int, start: int, stop: int, bad_step: int | None = None, scheduler=None) -> list:
-    """Steps start..stop-1 on this rank's batches; at bad_step the last rank's gradient is NaN.
-    Returns, per step, ('ok' | error type name, payload counters by tag)."""
+def on_world(fn, world: int, *args, timeout: float = 900) -> list:
+    """[fn(rank, world, *args) per rank]: gloo workers, or for a world of one this process
+    (no process group, no spawn) on one thread, as a worker."""
+    if world > 1:
+        return run_workers(fn, world, args=args, timeout=timeout)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return [fn(0, 1, *args)]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def train(opt, model, rank: int, start: int, stop: int, bad_step: int | None = None, scheduler=None,
+          end: int = STEPS) -> list:
+    """Steps start..stop-1 on this rank's batches; at bad_step the last rank's gradient is NaN;
+    the run ends (flush) at step `end`. Returns, per step, ('ok' | error type name, the
+    cumulative counters by tag, the step's own counters)."""
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     log = []
     for step in range(start, stop):
@@ -30,14 +47,13 @@ def train(opt, model, rank: int, start: int, stop: int, bad_step: int | None = N
         problem.loss_on(model, x.to(dtype), y.to(dtype)).backward()
         if step == bad_step and rank == world - 1:
             next(p for p in model.parameters() if p.grad is not None).grad[0].fill_(float("nan"))
-        before = opt.comm_stats.as_dict()
         status, _ = outcome_of(opt.step)
         opt.zero_grad()
         if scheduler is not None:
             scheduler.step()
-        after = opt.comm_stats.by_tag
-        log.append((status, {tag: c.as_dict() for tag, c in after.items()}, before))
-    if stop == STEPS:
+        stats = opt.comm_stats
+        log.append((status, {tag: c.as_dict() for tag, c in stats.by_tag.items()}, stats.last_step.as_dict()))
+    if stop == end:
         opt.flush()                    # overlap: the last exchange lands (LoRDO/DiLoCo: the last sync)
     return log
 
@@ -63,19 +79,21 @@ def _checkpoint(model, opt) -> dict:
 
 
 def case_run(name, rank, dtype=torch.float32):
-    """A run that takes a state_dict at RESUME_AT and goes on (state_dict() flushes an
-    overlapped exchange, so the run continues from exactly what it saved), and one resumed
-    from that checkpoint into fresh objects."""
-    build = REGISTRY[name].build
+    """A run that takes a state_dict half way (RESUME_AT of STEPS, or of the configuration's
+    own `steps`) and goes on (state_dict() flushes an overlapped exchange, so the run
+    continues from exactly what it saved), and one resumed from that checkpoint into fresh
+    objects."""
+    build, steps = CONFIGS[name].build, CONFIGS[name].steps or STEPS
+    resume_at = steps // 2
     model = problem.make_model().to(dtype)
     opt = build(list(model.parameters()))
     before = problem.eval_loss(model.float()) if dtype == torch.float32 else None
-    log = train(opt, model, rank, 0, RESUME_AT)
+    log = train(opt, model, rank, 0, resume_at, end=steps)
     opt.state_dict()
-    log += train(opt, model, rank, RESUME_AT, STEPS)
+    log += train(opt, model, rank, resume_at, steps, end=steps)
     first = problem.make_model().to(dtype)
     first_opt = build(list(first.parameters()))
-    train(first_opt, first, rank, 0, RESUME_AT)
+    train(first_opt, first, rank, 0, resume_at, end=steps)
     dtypes = {k: v.dtype for s in first_opt.state_dict().get("state", {}).values() for k, v in s.items()
               if torch.is_tensor(v)}
     saved = _checkpoint(first, first_opt)
@@ -85,10 +103,15 @@ def case_run(name, rank, dtype=torch.float32):
     fresh_opt.load_state_dict(saved["opt"])
     loaded = {k: v.dtype for s in fresh_opt.state_dict().get("state", {}).values() for k, v in s.items()
               if torch.is_tensor(v)}
-    train(fresh_opt, fresh, rank, RESUME_AT, STEPS)
-    return {"params": flat(model), "resumed": flat(fresh), "log": [(s, c) for s, c, _ in log],
+    train(fresh_opt, fresh, rank, resume_at, steps, end=steps)
+    return {"params": flat(model), "resumed": flat(fresh), "log": log,
             "loss_before": before, "loss_after": problem.eval_loss(model.float()) if before else None,
-            "state_dtypes": (dtypes, loaded), "shapes": [tuple(p.shape) for p in model.parameters()]}
+            "state_dtypes": (dtypes, loaded), "shapes": [tuple(p.shape) for p in model.parameters()],
+            "by_tag": _by_tag(opt), "resumed_by_tag": _by_tag(fresh_opt)}
+
+
+def _by_tag(opt) -> dict:
+    return {tag: c.as_dict() for tag, c in opt.comm_stats.by_tag.items()}
 
 
 def case_bf16(name, rank):
@@ -98,7 +121,7 @@ def case_bf16(name, rank):
 def case_lambda_warmup(name, rank):
     """LambdaLR from 0: the first step moves nothing; training still converges."""
     model = problem.make_model()
-    opt = REGISTRY[name].build(list(model.parameters()))
+    opt = CONFIGS[name].build(list(model.parameters()))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 4))
     start = flat(model)
     train(opt, model, rank, 0, 1, scheduler=sched)
@@ -110,7 +133,7 @@ def case_lambda_warmup(name, rank):
 
 def case_one_cycle(name, rank):
     model = problem.make_model()
-    opt = REGISTRY[name].build(list(model.parameters()))
+    opt = CONFIGS[name].build(list(model.parameters()))
     max_lr = [g["lr"] for g in opt.param_groups]
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=max_lr, total_steps=STEPS, cycle_momentum=False)
     log = train(opt, model, rank, 0, STEPS, scheduler=sched)
@@ -121,7 +144,7 @@ def case_one_cycle(name, rank):
 def case_add_param_group(name, rank):
     model = problem.make_model()
     first, second = model[0], model[2]
-    opt = REGISTRY[name].build([{"params": list(first.parameters())}])
+    opt = CONFIGS[name].build([{"params": list(first.parameters())}])
     opt.add_param_group({"params": list(second.parameters())})
     start = [p.detach().clone() for p in model.parameters()]
     train(opt, model, rank, 0, STEPS)
@@ -130,7 +153,7 @@ def case_add_param_group(name, rank):
 
 def case_closure(name, rank):
     model = problem.make_model()
-    opt = REGISTRY[name].build(list(model.parameters()))
+    opt = CONFIGS[name].build(list(model.parameters()))
     x, y = problem.batch(rank, 0)
 
     def closure():
@@ -141,13 +164,13 @@ def case_closure(name, rank):
     with torch.no_grad():
         expected = float(problem.loss_on(model, x, y))
     start = flat(model)
-    got = [float(opt.step(closure).detach()) for _ in range(REGISTRY[name].every + REGISTRY[name].delay)]
+    got = [float(opt.step(closure).detach()) for _ in range(CONFIGS[name].every + CONFIGS[name].delay)]
     return {"loss": got[0], "expected": expected, "moved": not torch.equal(flat(model), start)}
 
 
 def case_nonfinite(name, rank, policy):
     model = problem.make_model()
-    build = REGISTRY[name].build
+    build = CONFIGS[name].build
     opt = build(list(model.parameters()))
     opt.nonfinite = policy if hasattr(opt, "nonfinite") else None
     snapshots = []
@@ -167,7 +190,7 @@ def case_frozen_and_unused(name, rank):
     model[0].bias.requires_grad_(False)
     unused = torch.nn.Parameter(torch.randn(6, 5))
     empty = torch.nn.Parameter(torch.empty(0, 5))
-    opt = REGISTRY[name].build([*model.parameters(), unused, empty])
+    opt = CONFIGS[name].build([*model.parameters(), unused, empty])
     frozen, idle = model[0].bias.detach().clone(), unused.detach().clone()
     start = model[0].weight.detach().clone()
     train(opt, model, rank, 0, STEPS)
@@ -191,7 +214,7 @@ class _ConvNet(torch.nn.Module):
 def case_non_contiguous(name, rank):
     net = _ConvNet()
     assert not net.head.is_contiguous() and not net.conv.weight.is_contiguous()
-    opt = REGISTRY[name].build(list(net.parameters()))
+    opt = CONFIGS[name].build(list(net.parameters()))
     start = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(100 * rank + step)
@@ -207,18 +230,18 @@ def case_non_contiguous(name, rank):
 def case_bad_peers(name, rank):
     """Shapes that differ across ranks, then a rank resumed at another step: PeerMismatchError everywhere."""
     params = [torch.nn.Parameter(torch.randn(16, 16 if rank == 0 else 17)), torch.nn.Parameter(torch.zeros(4))]
-    opt = REGISTRY[name].build(params)
+    opt = CONFIGS[name].build(params)
     for p in params:
         p.grad = torch.randn_like(p)
-    shapes = outcome_of(lambda: [opt.step() for _ in range(REGISTRY[name].every)])
+    shapes = outcome_of(lambda: [opt.step() for _ in range(CONFIGS[name].every)])
     model = problem.make_model()
-    opt = REGISTRY[name].build(list(model.parameters()))
+    opt = CONFIGS[name].build(list(model.parameters()))
     train(opt, model, rank, 0, 1)
     state = opt.state_dict()
     if rank == 1:
         state = {**state, "thinwire_step": state["thinwire_step"] + 3}      # as if from another checkpoint
     opt.load_state_dict(state)
-    log = train(opt, model, rank, 1, 1 + REGISTRY[name].every)
+    log = train(opt, model, rank, 1, 1 + CONFIGS[name].every)
     return {"shapes": shapes[0], "lockstep": [s for s, *_ in log]}
 
 
@@ -233,7 +256,8 @@ CASES = {"run": case_run, "bf16": case_bf16, "lambda_warmup": case_lambda_warmup
 def run_suite(rank: int, world: int, names) -> dict:
     results = {}
     for name in names:
-        for case, fn in CASES.items():
+        for case in CONFIGS[name].cases or CASES:
+            fn = CASES[case]
             if case == "bad_peers" and world == 1:
                 continue
             try:
