@@ -1,6 +1,6 @@
 """DeMo in its exact mode against a transcription of the reference implementation.
 
-`ReferenceDeMo` below follows bloc97/DeMo's arithmetic (see ANCHORS.md): decay the
+`ReferenceDeMo` below follows bloc97/DeMo's arithmetic (docs/design.md, "DeMo's reference implementation"): decay the
 buffer, add lr * grad, chunk by the largest divisor <= 64, 2-D DCT per chunk by einsum,
 top-k per chunk, decompress by scatter_reduce(mean), subtract what was sent, and step
 p -= lr * sign(decoded mean). It is written from that description, independently of

@@ -1,7 +1,7 @@
 """Bytes a rank moves over its link for one collective, by the standard algorithms.
 
 One table, used by the communicator's accounting and by any modelled link time, so
-every figure in thinwire comes from the same formulas (see DESIGN.md, "Accounting"):
+every figure in thinwire comes from the same formulas (see docs/design.md, "Accounting conventions"):
 
 | collective  | n means                    | sent per rank         | received per rank     |
 |-------------|----------------------------|-----------------------|-----------------------|

@@ -1,6 +1,6 @@
 """Parameters sharded by FSDP2 inside a site: the shard an optimizer works on, and whole matrices.
 
-Two tiers (DESIGN.md): inside a site, `fully_shard(module, mesh=mesh["shard"])` makes each
+Two tiers (docs/design.md, "Two tiers"): inside a site, `fully_shard(module, mesh=mesh["shard"])` makes each
 parameter a DTensor split along dim 0 over the site's ranks (torch.chunk sizes: ⌈rows/k⌉,
 the last shard shorter), and its gradient arrives reduce-scattered, the site's mean, in the
 same layout. Across sites, a thinwire optimizer with `process_group=mesh["site"].get_group()`

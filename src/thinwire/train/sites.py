@@ -1,5 +1,5 @@
 """Two tiers in the harness (`--sites S`): S sites of W/S ranks each, FSDP2 inside a site,
-the optimizer across sites (DESIGN.md, "Two tiers").
+the optimizer across sites (docs/design.md, "Two tiers").
 
     tiers = Tiers.of(cfg, world)                  # None without --sites
     model, built, fsdp = setup(tiers, model, spec, cfg, lr, device)
