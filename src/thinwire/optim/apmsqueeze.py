@@ -53,6 +53,7 @@ from ..comm.collectives import padded_numel
 from ..ops import adam_denominator
 from .base import CommunicatingOptimizer, Member, flatten_grads
 from .exchange import OneBitReduce, ReduceAll
+from .flat import spans, views
 
 ERRORS_KEY = "apmsqueeze"
 ERROR_RESUME = ("exact", "reset")
@@ -198,10 +199,7 @@ class APMSqueeze(CommunicatingOptimizer):
             self.server_error = torch.zeros(n // world, dtype=torch.float32, device=device)
         if self._x is None or self._x.numel() != n or self._x.device != device:
             self._x = torch.empty(n, dtype=torch.float32, device=device)
-        self._spans, offset = {}, 0
-        for _, p, key in layout:
-            self._spans[key] = (offset, p.numel())
-            offset += p.numel()
+        self._spans = dict(zip((m.key for m in layout), spans(m.param.numel() for m in layout)))
         self._onebit.resize(len(layout), self._x, self.worker_error, self.server_error)
         return self._onebit
 
@@ -220,19 +218,15 @@ class APMSqueeze(CommunicatingOptimizer):
         if step <= self.warmup_steps:                        # the gradients, to be averaged
             flatten_grads([m.param for m in layout], exchange.payload)
             return
-        x, offset = exchange.payload, 0
-        for group, p, key in layout:
-            local_momentum(x[offset: offset + p.numel()].view(p.shape), self.state[key]["exp_avg"], p.grad,
-                           group["betas"][0])
-            offset += p.numel()
-        x[offset:].zero_()                                   # padding (m̄ was decoded into it)
+        x, params = exchange.payload, [m.param for m in layout]
+        for (group, p, key), part in zip(layout, views(x, params)):
+            local_momentum(part, self.state[key]["exp_avg"], p.grad, group["betas"][0])
+        x[sum(p.numel() for p in params):].zero_()           # padding (m̄ was decoded into it)
 
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         """Warmup: delivery.data is the mean gradient; compressed: m̄. Both flat, float32."""
-        warmup, data, offset = step <= self.warmup_steps, delivery.data, 0
-        for (group, p, key), anywhere in zip(layout, delivery.present.tolist()):
-            part = data[offset: offset + p.numel()].view(p.shape)
-            offset += p.numel()
+        warmup, parts = step <= self.warmup_steps, views(delivery.data, [m.param for m in layout])
+        for (group, p, key), part, anywhere in zip(layout, parts, delivery.present.tolist()):
             if not anywhere:
                 continue
             state, (beta1, beta2) = self.state[key], group["betas"]

@@ -45,6 +45,7 @@ from ..ops import add_sign_, add_spectral_
 from ..wire import CODEC_NAMES
 from .base import CommunicatingOptimizer, Member
 from .exchange import GatherAll
+from .flat import spans
 from .shards import is_sharded, own_rows, whole
 
 BASES = ("signum", "sgd", "muon")
@@ -211,13 +212,10 @@ class DeMo(CommunicatingOptimizer):
         return self._compressors[key]
 
     def _slots(self, layout: list[Member]) -> list[Slot]:
-        slots, offset = [], 0
-        for group, p, key in layout:
-            comp = self.compressor(group)
-            n = comp.payload_nbytes(p.shape)
-            slots.append(Slot(group, p, comp, offset, n, key))
-            offset += n
-        return slots
+        comps = [self.compressor(m.group) for m in layout]
+        places = spans(comp.payload_nbytes(m.param.shape) for m, comp in zip(layout, comps))
+        return [Slot(group, p, comp, place.start, place.size, key)
+                for (group, p, key), comp, place in zip(layout, comps, places)]
 
     def _describe(self, layout: list[Member]) -> str:
         lines = [f"demo world_size={self.comm.world_size}"]

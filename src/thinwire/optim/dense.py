@@ -24,6 +24,7 @@ import torch
 
 from .base import CommunicatingOptimizer, Member, flatten_grads
 from .exchange import ReduceAll
+from .flat import views
 from .shards import set_grad
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
@@ -125,7 +126,4 @@ class DenseAllReduce(CommunicatingOptimizer):
 
 def _mean_parts(layout: list[Member], delivery):
     """(member, its part of the mean gradient shaped like its param, whether any rank had one)."""
-    offset = 0
-    for m, anywhere in zip(layout, delivery.present.tolist()):
-        yield m, delivery.data[offset: offset + m.param.numel()].view(m.param.shape), anywhere
-        offset += m.param.numel()
+    return zip(layout, views(delivery.data, [m.param for m in layout]), delivery.present.tolist())

@@ -66,6 +66,7 @@ from ..compress.spec import parse_compressor
 from ..ops import add_rms_, add_sign_, add_spectral_
 from .base import CommunicatingOptimizer, Member
 from .exchange import GatherAll, ServerRelay
+from .flat import spans
 from .shards import is_sharded, own_rows, whole
 
 LMOS = ("auto", "spectral", "sign", "rms")
@@ -274,12 +275,11 @@ class EF21Muon(CommunicatingOptimizer):
 
     def _entries(self, layout: list[Member]) -> tuple[list[Entry], int, int]:
         """Each parameter's entry, and the uplink and downlink payload sizes."""
-        entries, up, down = [], 0, 0
-        for index, (group, p, key) in enumerate(layout):
-            nu, nd = self.uplink.payload_nbytes(p.shape), self.downlink.payload_nbytes(p.shape)
-            entries.append(Entry(group, p, index, slice(up, up + nu), slice(down, down + nd), key))
-            up, down = up + nu, down + nd
-        return entries, up, down
+        ups = spans(self.uplink.payload_nbytes(m.param.shape) for m in layout)
+        downs = spans(self.downlink.payload_nbytes(m.param.shape) for m in layout)
+        entries = [Entry(group, p, index, slice(up.start, up.stop), slice(down.start, down.stop), key)
+                   for index, ((group, p, key), up, down) in enumerate(zip(layout, ups, downs))]
+        return entries, sum(up.size for up in ups), sum(down.size for down in downs)
 
     # ---- the envelope's hooks ----------------------------------------------------------------
     def _describe(self, layout: list[Member]) -> str:

@@ -57,23 +57,20 @@ from ..comm.collectives import DELTA_WIRES
 from ..ops import nesterov_outer_
 from .base import CommunicatingOptimizer, Member
 from .exchange import GatherAll, ReduceAll
+from .flat import Span, spans
 
 
 class Slot(NamedTuple):
     """One parameter's place in the flat delta: its group, tensor and element range."""
     group: dict
     param: torch.Tensor
-    offset: int
-    numel: int
+    span: Span
     key: torch.Tensor                 # the parameter itself (param: its shard under FSDP2)
 
 
 def slots_of(layout: list[Member]) -> list[Slot]:
-    slots, offset = [], 0
-    for group, p, key in layout:
-        slots.append(Slot(group, p, offset, p.numel(), key))
-        offset += p.numel()
-    return slots
+    places = spans(m.param.numel() for m in layout)
+    return [Slot(group, p, place, key) for (group, p, key), place in zip(layout, places)]
 
 
 def check_sync_every(sync_every) -> int:
@@ -177,10 +174,10 @@ class PeriodicAveraging(CommunicatingOptimizer):
         if exchange is None:
             return
         slots = slots_of(layout)
-        n, device = sum(s.numel for s in slots), layout[0].param.device
+        n, device = sum(s.span.size for s in slots), layout[0].param.device
         x = exchange.payload if self.codec is None else _reuse(self._x, n, device)
-        for _, p, offset, numel, key in slots:
-            part = x[offset: offset + numel]
+        for _, p, span, key in slots:
+            part = span.of(x)
             # Δ = θ − θ₀
             write_delta(part.view(p.shape), p, self.state[key]["anchor"])
             if self.codec is not None:
@@ -193,14 +190,14 @@ class PeriodicAveraging(CommunicatingOptimizer):
 
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         slots = slots_of(layout)
-        n = sum(s.numel for s in slots)
+        n = sum(s.span.size for s in slots)
         # Δ̄ = mean_ranks Δ   (fp32: the all-reduce's mean; lossy: every row decoded, summed in rank order)
         mean = delivery.data if self.codec is None else self.codec.mean(delivery.data, n)
         for slot in slots:
             p, state = slot.param, self.state[slot.key]
-            part = mean[slot.offset: slot.offset + slot.numel]
+            part = slot.span.of(mean)
             if self.codec is not None:                              # e ← e'
-                state["sync_error"].copy_(self._unsent[slot.offset: slot.offset + slot.numel])
+                state["sync_error"].copy_(slot.span.of(self._unsent))
             # g = −Δ̄;  b ← μ b + g;  θ₀ ← θ₀ − η_out (g + μ b)
             nesterov_outer_(state["anchor"].view(-1), part.neg(), state.get("outer_momentum"),
                             self.outer_lr, self.outer_momentum)
