@@ -3,6 +3,8 @@
     spectral   x ← x + α √max(1, rows/cols) NS(G)      Muon's LMO (G as rows × rest)
     sign       x ← x + α sign(G)                          ℓ∞ LMO, Signum
     rms        x ← x + α √d G / ‖G‖₂                      RMS-ball LMO (G = 0: no step)
+    moments    m ← β₁ m + (1 − β₁) g                      Adam's moments, as torch.optim.Adam
+               v ← β₂ v + (1 − β₂) g²
     adam       D = √(v / (1 − β₂ᵗ)) + ε                   Adam's denominator, as torch.optim.Adam
     nesterov   b ← μ b + g;  x ← x − η (g + μ b)          torch SGD, Nesterov, dampening 0
 """
@@ -32,6 +34,14 @@ def add_sign_(x: torch.Tensor, g: torch.Tensor, alpha: float, consume: bool = Fa
 def add_rms_(x: torch.Tensor, g: torch.Tensor, alpha: float) -> torch.Tensor:
     """x ← x + α √d G / ‖G‖₂ (the norm clamped like Newton–Schulz's, so G = 0 gives no step)."""
     return x.add_(g * (alpha * math.sqrt(g.numel()) / g.norm().clamp(min=NS_EPS)))
+
+
+def adam_moments_(m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta1: float, beta2: float) -> None:
+    """m ← β₁ m + (1 − β₁) g;  v ← β₂ v + (1 − β₂) g², in place, as torch.optim.Adam updates them."""
+    # m ← β₁ m + (1 − β₁) g
+    m.lerp_(g, 1 - beta1)
+    # v ← β₂ v + (1 − β₂) g²
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
 
 
 def adam_denominator(v: torch.Tensor, bias_correction2: float, eps: float) -> torch.Tensor:

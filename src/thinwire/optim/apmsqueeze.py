@@ -50,7 +50,7 @@ import warnings
 import torch
 
 from ..comm.collectives import padded_numel
-from ..ops import adam_denominator
+from ..ops import adam_denominator, adam_moments_
 from .base import CommunicatingOptimizer, Member, flatten_grads
 from .exchange import OneBitReduce, ReduceAll
 from .flat import spans, views
@@ -73,14 +73,6 @@ def _check_group(g: dict) -> None:
 
 
 # ---- the update rules: one equation per in-place operation --------------------------------------
-
-def adam_moments_(m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta1: float, beta2: float) -> None:
-    """Adam's moment estimates from the averaged gradient (warmup)."""
-    # m ← β1 m + (1 − β1) g
-    m.lerp_(g, 1 - beta1)
-    # v ← β2 v + (1 − β2) g²
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-
 
 def local_momentum(out: torch.Tensor, m_bar: torch.Tensor, g: torch.Tensor | None, beta1: float) -> None:
     """This rank's momentum, written into `out` (compressed phase); g None counts as 0."""
@@ -234,6 +226,7 @@ class APMSqueeze(CommunicatingOptimizer):
             state["step"] += 1
             t = state["step"]
             if warmup:
+                # m ← β1 m + (1 − β1) g,  v ← β2 v + (1 − β2) g²   (g: the averaged gradient)
                 adam_moments_(m, v, part, beta1, beta2)
                 state["exp_avg_sq_step"] += 1
                 t_v = state["exp_avg_sq_step"]

@@ -53,7 +53,7 @@ import warnings
 
 import torch
 
-from ..ops import adam_denominator, lowrank
+from ..ops import adam_denominator, adam_moments_, lowrank
 from .base import Member
 from .periodic import PeriodicAveraging, Slot
 from .shards import is_sharded, own_rows, row_range, site_rank, site_size, site_sum_, whole
@@ -119,19 +119,12 @@ def whole_mean(key: torch.Tensor, d: torch.Tensor, numel: int) -> float:
     return float(site_sum_(key, d.sum())) / numel
 
 
-def adam_moments_(u: torch.Tensor, v: torch.Tensor, g: torch.Tensor, betas: tuple[float, float]) -> None:
-    beta1, beta2 = betas
-    # u ← β₁ u + (1 − β₁) g
-    u.lerp_(g, 1.0 - beta1)
-    # v ← β₂ v + (1 − β₂) g²
-    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-
-
 def full_rank_step_(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, t: int) -> None:
     """AdamW's step on Ĝ (vectors, scalars, low_rank=False); weight decay already applied."""
     (beta1, beta2), lr = group["betas"], group["lr"]
     u, v = state["exp_avg"], state["exp_avg_sq"]
-    adam_moments_(u, v, g, group["betas"])
+    # u ← β₁ u + (1 − β₁) Ĝ,  v ← β₂ v + (1 − β₂) Ĝ²
+    adam_moments_(u, v, g, beta1, beta2)
     # D = √(v / (1 − β₂ᵗ)) + ε
     d = adam_denominator(v, 1.0 - beta2 ** t, group["eps"])
     # θ ← θ − η u / ((1 − β₁ᵗ) D)
@@ -166,7 +159,8 @@ def low_rank_step_(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, t
         torch.sub(fed, lowrank.lift(low, q_rows, where), out=error)
     mine = own_rows(key, low) if where == lowrank.LEFT else low    # our share of ĝ's r rows (left)
     u, v = state["exp_avg"], state["exp_avg_sq"]
-    adam_moments_(u, v, mine, group["betas"])
+    # u ← β₁ u + (1 − β₁) ĝ,  v ← β₂ v + (1 − β₂) ĝ²     low-rank
+    adam_moments_(u, v, mine, beta1, beta2)
     # D = √(v / (1 − β₂ᵗ)) + ε                        low-rank, like u and v
     d = adam_denominator(v, 1.0 - beta2 ** t, group["eps"])
     if omega > 0.0:
