@@ -3,6 +3,7 @@
     root = checkpoint_root(out_dir)                   # <out>/checkpoint
     path = latest(root)                               # newest complete step-NNNNNN, or None
     check(path, expected_meta(cfg, name, lr, world))  # CheckpointError naming what differs
+    check_resumable(out_dir, cfg, name, lr, world)    # latest + check of <out>/checkpoint, before the workers
     save(root, step, model, built, sched, meta, rank, keep=2)
     step = load(path, model, built, sched, rank)
 
@@ -34,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -123,6 +125,18 @@ def _previous(path: Path) -> str:
     older = [p for p in complete(path.parent) if _step_of(p) < _step_of(path)]
     return (f"; remove it to resume from the previous checkpoint {older[-1]}" if older
             else "; remove it to start afresh")
+
+
+def check_resumable(out_dir: str | os.PathLike, cfg, optimizer: str, lr: float, world: int,
+                    announce: bool = True) -> None:
+    """CheckpointError naming what differs or is corrupt unless the latest complete checkpoint
+    under <out>/checkpoint (if any) can be resumed by this run: called before any worker starts
+    (`thinwire train`, and every rank under torchrun). `announce`: say on stderr where it resumes."""
+    path = latest(checkpoint_root(out_dir))
+    if path is not None:
+        meta = check(path, expected_meta(cfg, optimizer, lr, world))
+        if announce:
+            print(f"thinwire: resuming {optimizer} from {path} (step {meta['step']} of {cfg.steps})", file=sys.stderr)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

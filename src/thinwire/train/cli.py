@@ -110,25 +110,18 @@ def main(argv=None) -> None:
         sys.exit(1)
 
 
-def _torchrun_checkpoint(args, cfg) -> None:
+def _torchrun_check_checkpoint(args, cfg, lr: float) -> None:
     """Under torchrun every rank checks the latest checkpoint in <out>/checkpoint before joining."""
     if not args.out:
         if args.checkpoint_every:
             raise SystemExit("thinwire: error: --checkpoint-every needs --out")
         return
-    from .checkpoint import CheckpointError, check, checkpoint_root, expected_meta, latest
-    from .optimizers import get_optimizer
-    root = checkpoint_root(args.out)
-    path = latest(root)
-    if path is not None:
-        lr = cfg.lr or get_optimizer(args.optimizer).lr_for(cfg.name)
-        try:
-            meta = check(path, expected_meta(cfg, args.optimizer, lr, int(os.environ["WORLD_SIZE"])))
-        except CheckpointError as err:
-            raise SystemExit(f"thinwire: error: {err}") from None
-        if os.environ["RANK"] == "0":
-            print(f"thinwire: resuming {args.optimizer} from {path} (step {meta['step']} of {cfg.steps})",
-                  file=sys.stderr)
+    from .checkpoint import CheckpointError, check_resumable
+    try:
+        check_resumable(args.out, cfg, args.optimizer, lr, int(os.environ["WORLD_SIZE"]),
+                        announce=os.environ["RANK"] == "0")
+    except CheckpointError as err:
+        raise SystemExit(f"thinwire: error: {err}") from None
 
 
 def torchrun_main(argv=None) -> None:
@@ -164,12 +157,12 @@ def torchrun_main(argv=None) -> None:
                   file=sys.stderr)
     import torch.distributed as dist
     from .launch import init_from_env
-    from .optimizers import get_optimizer
+    from .optimizers import learning_rate
     from .worker import PeerFailure, train_worker
-    _torchrun_checkpoint(args, cfg)
+    lr = learning_rate(cfg, args.optimizer)
+    _torchrun_check_checkpoint(args, cfg, lr)
     rank, world = init_from_env(opts.peer_timeout)
     try:
-        lr = cfg.lr or get_optimizer(args.optimizer).lr_for(cfg.name)
         log = os.path.join(args.out, f"{args.optimizer}.jsonl") if args.out else None
         if log and rank == 0:
             os.makedirs(args.out, exist_ok=True)

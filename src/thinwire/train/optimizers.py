@@ -103,6 +103,12 @@ def get_optimizer(name: str) -> OptimizerSpec:
     return OPTIMIZERS[name]
 
 
+def learning_rate(cfg, name: str, lrs: dict[str, float] | None = None) -> float:
+    """Optimizer `name`'s base learning rate in run `cfg`: `lrs[name]` (a sweep's), else --lr
+    (`cfg.lr`), else its registered default for the preset (a falsy one falls through)."""
+    return (lrs or {}).get(name) or cfg.lr or get_optimizer(name).lr_for(cfg.name)
+
+
 def _wrap(opt: torch.optim.Optimizer, model: torch.nn.Module, replicas_drift: bool = False) -> Built:
     """A thinwire optimizer's Built: it counts its own bytes and its state is this rank's."""
     return Built(opt, model, opt.comm_stats, per_rank_state=True, replicas_drift=replicas_drift)

@@ -23,7 +23,7 @@ from pathlib import Path
 from .config import RunOptions, TrainConfig, check_sites, parse_link
 from .data import check_corpus, load_corpus
 from .launch import launch
-from .optimizers import OPTIMIZERS, get_optimizer
+from .optimizers import OPTIMIZERS, get_optimizer, learning_rate
 from .report import add_limits, format_table, plot, read_log, summarize
 from .worker import train_worker
 
@@ -87,7 +87,7 @@ def compare(cfg: TrainConfig, optimizers: list[str], options: RunOptions | None 
     if opts.peer_timeout is not None and opts.peer_timeout <= 0:
         raise ValueError(f"--peer-timeout must be > 0 seconds, got {opts.peer_timeout}")
     if opts.writes_checkpoints:
-        _check_resumable(cfg, optimizers, workers, opts)
+        _check_checkpointing(cfg, optimizers, workers, opts)
     elif opts.checkpoint_every:
         raise ValueError("--checkpoint-every needs --out (checkpoints go to <out>/checkpoint/)")
     out = Path(opts.out_dir) if opts.out_dir else Path(tempfile.mkdtemp(prefix="thinwire-"))
@@ -99,7 +99,7 @@ def compare(cfg: TrainConfig, optimizers: list[str], options: RunOptions | None 
     logs = {}
     with context as emulated:
         for name in optimizers:
-            lr = (opts.lrs or {}).get(name) or cfg.lr or get_optimizer(name).lr_for(cfg.name)
+            lr = learning_rate(cfg, name, opts.lrs)
             path = out / f"{name}.jsonl"
             kwargs = ({"namespaces": emulated.namespaces, "ifname": emulated.ifname} if emulated else {})
             launch(train_worker, workers, args=(cfg, name, lr, str(path), opts), timeout=opts.peer_timeout, **kwargs)
@@ -108,10 +108,11 @@ def compare(cfg: TrainConfig, optimizers: list[str], options: RunOptions | None 
     return report(cfg, logs, workers, out, latency_s, opts.target, link_info, opts.show)
 
 
-def _check_resumable(cfg: TrainConfig, optimizers: list[str], workers: int, opts: RunOptions) -> None:
-    """Check the latest checkpoint in <out>/checkpoint (if any) can be resumed by this run:
-    CheckpointError (a ValueError) naming what differs or is corrupt, before any worker starts."""
-    from .checkpoint import check, checkpoint_root, expected_meta, latest
+def _check_checkpointing(cfg: TrainConfig, optimizers: list[str], workers: int, opts: RunOptions) -> None:
+    """A ValueError, before any worker starts, unless this run can checkpoint and the latest
+    checkpoint in <out>/checkpoint (if any) can be resumed by it (CheckpointError naming what
+    differs or is corrupt)."""
+    from .checkpoint import check_resumable
     if len(optimizers) != 1:
         raise ValueError("checkpoints hold one optimizer's run: use `thinwire train`")
     name = optimizers[0]
@@ -119,11 +120,7 @@ def _check_resumable(cfg: TrainConfig, optimizers: list[str], workers: int, opts
         raise ValueError(f"--checkpoint-every must be >= 0, got {opts.checkpoint_every}")
     if get_optimizer(name).why_no_checkpoint:
         raise ValueError(get_optimizer(name).why_no_checkpoint)
-    path = latest(checkpoint_root(opts.out_dir))
-    if path is not None:
-        lr = (opts.lrs or {}).get(name) or cfg.lr or get_optimizer(name).lr_for(cfg.name)
-        meta = check(path, expected_meta(cfg, name, lr, workers))
-        print(f"thinwire: resuming {name} from {path} (step {meta['step']} of {cfg.steps})", file=sys.stderr)
+    check_resumable(opts.out_dir, cfg, name, learning_rate(cfg, name, opts.lrs), workers)
 
 
 def report(cfg: TrainConfig, logs: dict[str, dict], workers: int, out: Path, latency_s: float,
