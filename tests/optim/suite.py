@@ -72,7 +72,7 @@ def exact(model, opt) -> torch.Tensor:
 
 def _checkpoint(model, opt) -> dict:
     blob = io.BytesIO()
-    opt_state = opt.state_dict()              # first: it applies an exchange still in flight
+    opt_state = opt.state_dict()              # it records an exchange still in flight
     torch.save({"model": model.state_dict(), "opt": opt_state}, blob)
     blob.seek(0)
     return torch.load(blob, weights_only=False)
@@ -80,9 +80,9 @@ def _checkpoint(model, opt) -> dict:
 
 def case_run(name, rank, dtype=torch.float32):
     """A run that takes a state_dict half way (RESUME_AT of STEPS, or of the configuration's
-    own `steps`) and goes on (state_dict() flushes an overlapped exchange, so the run
-    continues from exactly what it saved), and one resumed from that checkpoint into fresh
-    objects."""
+    own `steps`) and goes on, one resumed from that checkpoint into fresh objects, and, for a
+    configuration with an exchange in flight between steps (delay 1), the same run with no
+    state_dict at all (`undisturbed`: state_dict() must only observe)."""
     build, steps = CONFIGS[name].build, CONFIGS[name].steps or STEPS
     resume_at = steps // 2
     model = problem.make_model().to(dtype)
@@ -91,6 +91,11 @@ def case_run(name, rank, dtype=torch.float32):
     log = train(opt, model, rank, 0, resume_at, end=steps)
     opt.state_dict()
     log += train(opt, model, rank, resume_at, steps, end=steps)
+    undisturbed = None
+    if CONFIGS[name].delay:
+        plain = problem.make_model().to(dtype)
+        train(build(list(plain.parameters())), plain, rank, 0, steps, end=steps)
+        undisturbed = flat(plain)
     first = problem.make_model().to(dtype)
     first_opt = build(list(first.parameters()))
     train(first_opt, first, rank, 0, resume_at, end=steps)
@@ -104,7 +109,7 @@ def case_run(name, rank, dtype=torch.float32):
     loaded = {k: v.dtype for s in fresh_opt.state_dict().get("state", {}).values() for k, v in s.items()
               if torch.is_tensor(v)}
     train(fresh_opt, fresh, rank, resume_at, steps, end=steps)
-    return {"params": flat(model), "resumed": flat(fresh), "log": log,
+    return {"params": flat(model), "resumed": flat(fresh), "undisturbed": undisturbed, "log": log,
             "loss_before": before, "loss_after": problem.eval_loss(model.float()) if before else None,
             "state_dtypes": (dtypes, loaded), "shapes": [tuple(p.shape) for p in model.parameters()],
             "by_tag": _by_tag(opt), "resumed_by_tag": _by_tag(fresh_opt)}

@@ -72,6 +72,14 @@ def test_replicas_bit_identical(outcome, name):
     identical(*ranks_of(outcome, name, "run"))
 
 
+@pytest.mark.parametrize("world, name", runs("run", [n for n, c in CONFIGS.items() if c.delay]))
+def test_state_dict_leaves_a_run_with_an_exchange_in_flight_alone(outcome, name):
+    """state_dict() half way, with a step's exchange in flight (overlap=True), changes nothing:
+    the run ends bit for bit where the same run without it ends."""
+    for r in ranks_of(outcome, name, "run")[1]:
+        assert torch.equal(r["params"], r["undisturbed"])
+
+
 @pytest.mark.parametrize("world, name", runs("run"))
 def test_resume_bit_identical_fp32(outcome, name):
     for r in ranks_of(outcome, name, "run")[1]:

@@ -33,9 +33,13 @@ hyperparameters (lr, ...) it was started with. A lookahead (`lookahead`, DeMo) m
 parameters by the rank's own estimate of the update in flight until it lands (`_estimate`;
 the exact ones are saved and put back first). A flagged step is reported by the next
 `step()` call, which still sends its own step before raising, so only the flagged step is
-lost, as without overlap. `flush()` (and `state_dict()`, which calls it) applies the step in
-flight now, so a checkpoint holds no pending message and a resumed run continues exactly as
-the run that wrote it.
+lost, as without overlap. `flush()` applies the step in flight now. `state_dict()` only
+observes: it records the step in flight (`InFlight`: what its exchange sent, the parameters
+it must leave alone, the hyperparameters it started with, the exact parameters under a
+lookahead, and the algorithm's own encode-time values, `_pending_state`), and the run goes on
+exactly as if it had not been called. `load_state_dict()` of such a state re-sends that
+message at the next `step()` or `flush()` (its bytes were counted when first sent), so the
+resumed run lands the same update as the run that wrote it.
 
 Non-finite gradients, the same on every optimizer: on a flagged step no parameter moves and
 no state is committed by `_apply` on any rank; what a healthy rank's `_encode` folded into
@@ -46,6 +50,7 @@ flag into the next exchange, where every rank raises together.
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -57,6 +62,8 @@ from .shards import check_sharding, local_view
 
 STATS_KEY = "thinwire_comm_stats"
 STEP_KEY = "thinwire_step"
+INFLIGHT_KEY = "thinwire_in_flight"
+ENVELOPE_KEYS = (STATS_KEY, STEP_KEY, INFLIGHT_KEY)
 
 
 class Member(NamedTuple):
@@ -67,6 +74,15 @@ class Member(NamedTuple):
     group: dict
     param: torch.Tensor
     key: torch.Tensor
+
+
+class InFlight(NamedTuple):
+    """A step whose exchange has started and not yet landed."""
+    step: int
+    layout: list[Member]
+    exchange: object            # a `thinwire.optim.exchange.Exchange`
+    snapshot: dict              # key -> its views' values at the start, for parameters this rank had no gradient for
+    hyper: list[dict]           # each param group's settings (lr, ...) when the step started
 
 
 def flatten_grads(params, buffer: torch.Tensor) -> torch.Tensor:
@@ -106,7 +122,8 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
         self._agreed: str | None = None          # the description all ranks last agreed on
         self._step = 0                           # steps taken (flagged ones included)
         self._carried = 0                        # a local step's non-finite flag, for the next message
-        self._inflight = None
+        self._inflight: InFlight | None = None
+        self._pending: dict | None = None        # a loaded step in flight, re-sent by the next step()/flush()
 
     # ---- what the algorithm supplies ------------------------------------------------------
     EARLY_START = False
@@ -180,6 +197,7 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
         if self.overlap:
             self._overlapped_step()
         else:
+            self.finish_step()           # a no-op, unless a loaded step in flight is still to land
             self.start_step()
             self.finish_step()
         return loss
@@ -188,44 +206,46 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
         """The previous step's exchange lands and this one's leaves. In that order by default;
         an algorithm with EARLY_START encodes and sends this step first, so the exchange in
         flight also overlaps the apply of the previous one (two briefly in flight)."""
+        self._resume()
         self._take_back_lookahead()
-        if not (self.EARLY_START and self._inflight is not None):
+        previous, self._inflight = self._inflight, None
+        if previous is None or not self.EARLY_START:
             try:
-                self.finish_step()
+                if previous is not None:
+                    self._land(previous)
             except NonFiniteGradientError:
-                self.start_step()        # every call is a step: only the flagged one is lost
+                self._inflight = self._begin(self._step)   # every call is a step: only the flagged one is lost
                 self._look_ahead()
                 raise
-            self.start_step()
+            self._inflight = self._begin(self._step)
             self._look_ahead()
             return
-        previous, self._inflight = self._inflight, None
         try:
-            self._start(previous[0])
+            current = self._begin(previous.step)
         except BaseException:            # e.g. a peer mismatch, raised before this step changes any
             self._inflight = previous    # state: the previous exchange stays in flight for flush()
             raise
-        current, self._inflight = self._inflight, previous
         try:
-            self.finish_step()
+            self._land(previous)
         finally:
             self._inflight = current
             if current is not None:      # its absent parameters' snapshot: as the previous apply left them
-                _step, layout, _exchange, snapshot, _hyper = current
-                for m in layout:
-                    if m.key in snapshot:
-                        snapshot[m.key][0].copy_(m.param)
+                for m in current.layout:
+                    if m.key in current.snapshot:
+                        current.snapshot[m.key][0].copy_(m.param)
             self._look_ahead()
 
     @torch.no_grad()
     def start_step(self) -> None:
         """This step's local update and message, and its exchange started (not waited for)."""
+        self._resume()
         if self._inflight is not None:
             raise RuntimeError("the previous step's exchange is still in flight: call finish_step() first")
-        self._start(self._step)
+        self._inflight = self._begin(self._step)
 
-    def _start(self, done: int) -> None:
-        """start_step() after `done` steps (the last one possibly still in flight)."""
+    def _begin(self, done: int) -> InFlight | None:
+        """The step after `done` steps (the last one possibly still in flight): local update,
+        message, exchange started. None for a local step (no exchange)."""
         layout = self.layout()
         self._agree(self._describe(layout), f"step={done}")
         step, present = done + 1, self._presence(layout)
@@ -238,7 +258,7 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
             elif self.nonfinite == "raise":
                 self._carried = FLAG_NONFINITE
             self._step = step
-            return
+            return None
         snapshot = {m.key: [t.clone() for t in self._views(m)] for m, here in zip(layout, present) if not here}
         if finite:
             self._encode(step, layout, exchange)
@@ -248,7 +268,7 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
         self._carried = 0
         exchange.start()
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        self._inflight = (step, layout, exchange, snapshot, hyper)
+        return InFlight(step, layout, exchange, snapshot, hyper)
 
     def _look_ahead(self) -> None:
         """lookahead: the parameters moved by this rank's estimate of the update in flight, so
@@ -257,7 +277,7 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
         `_take_back_lookahead` before the next finish."""
         if not self.lookahead or self._inflight is None:
             return
-        step, layout, exchange = self._inflight[:3]
+        step, layout, exchange = self._inflight.step, self._inflight.layout, self._inflight.exchange
         if [s.shape for s in self._saved] != [m.param.shape for m in layout]:
             self._saved = [torch.empty_like(m.param) for m in layout]
         for m, saved in zip(layout, self._saved):
@@ -275,27 +295,34 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def finish_step(self) -> None:
         """Complete the exchange started by start_step() and apply it (or raise / skip)."""
-        if self._inflight is None:
-            return
-        step, layout, exchange, snapshot, hyper = self._inflight
-        self._inflight, self._step = None, step
-        delivery = exchange.finish(step)
+        self._resume()
+        record, self._inflight = self._inflight, None
+        if record is not None:
+            self._land(record)
+
+    def _land(self, record: InFlight) -> None:
+        """`record`'s exchange completed and applied with the settings it started with; a
+        flagged step raises NonFiniteGradientError (nonfinite='raise') or is skipped."""
+        step, layout = record.step, record.layout
+        self._step = step
+        delivery = record.exchange.finish(step)
         try:
             if delivery.flagged:
-                self._discard(step, layout, exchange)
+                self._discard(step, layout, record.exchange)
                 if self.nonfinite == "raise":
                     raise NonFiniteGradientError(
                         f"non-finite gradients on {delivery.flagged} at step {step}; no parameter was updated "
                         f"on any rank ({type(self).__name__}(nonfinite='skip') skips such steps instead)")
                 return
-            with _hyperparameters(self.param_groups, hyper):     # a step lands with the lr it started with
+            with _hyperparameters(self.param_groups, record.hyper):     # a step lands with the lr it started with
                 self._apply(step, layout, delivery)
         finally:
-            self._restore(layout, snapshot, delivery.present)
+            self._restore(layout, record.snapshot, delivery.present)
 
     @torch.no_grad()
     def flush(self) -> None:
         """Finish an exchange still in flight (a no-op when none is), lookahead taken back first."""
+        self._resume()
         self._take_back_lookahead()
         self.finish_step()
 
@@ -318,25 +345,79 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
             self._agreed = description
 
     # ---- checkpoints ----------------------------------------------------------------------
+    def _pending_state(self, record: InFlight) -> dict:
+        """Values `_encode` computed for the step in flight that its apply needs and that live
+        neither in its message nor in self.state (default: none)."""
+        return {}
+
+    def _load_pending_state(self, record: InFlight, saved: dict) -> None:
+        """Put back what `_pending_state` saved, for the re-sent step `record` (default: nothing)."""
+
     def _envelope_state(self) -> dict:
-        return {STATS_KEY: self.comm.stats.state_dict(), STEP_KEY: self._step}
+        state = {STATS_KEY: self.comm.stats.state_dict(), STEP_KEY: self._step}
+        pending = self._pending if self._pending is not None else self._inflight_state()
+        if pending is not None:
+            state[INFLIGHT_KEY] = pending
+        return state
+
+    def _inflight_state(self) -> dict | None:
+        """The step in flight, as `_resume` re-sends it (copies: the buffers are reused)."""
+        record = self._inflight
+        if record is None:
+            return None
+        absent = {i: [t.clone() for t in record.snapshot[m.key]]
+                  for i, m in enumerate(record.layout) if m.key in record.snapshot}
+        exact = [t.clone() for t in self._saved] if self._looked_ahead is not None else None
+        return {"step": record.step, "message": record.exchange.checkpoint(),
+                "absent": absent, "hyper": copy.deepcopy(record.hyper), "exact": exact,
+                "algorithm": self._pending_state(record)}
 
     def _load_envelope_state(self, state_dict: dict) -> None:
+        self._drain()
         if STATS_KEY in state_dict:
             self.comm.stats.load_state_dict(state_dict[STATS_KEY])
         self._step = int(state_dict.get(STEP_KEY, 0))
-        self._agreed, self._carried, self._inflight = None, 0, None   # handshake again, with the loaded step
-        self._looked_ahead = None
+        self._agreed, self._carried = None, 0    # handshake again, with the loaded step
+        self._pending = state_dict.get(INFLIGHT_KEY)
+
+    def _drain(self) -> None:
+        """Before a load: an exchange still in flight is completed (every peer is in that
+        collective) and what it delivered is dropped; a lookahead is forgotten, not taken
+        back (the model may already hold loaded values)."""
+        record, self._inflight, self._looked_ahead = self._inflight, None, None
+        if record is not None:
+            record.exchange.finish(record.step)
+
+    def _resume(self) -> None:
+        """A loaded step in flight is sent again, as it was sent before the checkpoint."""
+        saved, self._pending = self._pending, None
+        if saved is None:
+            return
+        layout = self.layout()
+        self._agree(self._describe(layout), f"step={self._step}")
+        step = int(saved["step"])
+        exchange = self._exchange(step, layout)
+        snapshot = {layout[int(i)].key: [t.clone() for t in views] for i, views in saved["absent"].items()}
+        record = InFlight(step, layout, exchange, snapshot, copy.deepcopy(saved["hyper"]))
+        self._load_pending_state(record, saved["algorithm"])
+        counted = self.comm.stats.state_dict()
+        exchange.resume(saved["message"])
+        self.comm.stats.load_state_dict(counted)    # its bytes were counted when it was first sent
+        self._inflight = record
+        if saved["exact"] is not None:           # the parameters hold the lookahead: the exact ones
+            self._saved, self._looked_ahead = [t.clone() for t in saved["exact"]], layout
 
     def state_dict(self):
-        self.flush()
+        """torch's state, the step count, the byte counters and the step in flight (kept in
+        flight: calling this changes nothing)."""
         state = super().state_dict()
         state.update(self._envelope_state())
         return state
 
     def load_state_dict(self, state_dict) -> None:
         state_dict = dict(state_dict)
-        envelope = {k: state_dict.pop(k) for k in (STATS_KEY, STEP_KEY) if k in state_dict}
+        envelope = {k: state_dict.pop(k) for k in ENVELOPE_KEYS if k in state_dict}
+        self._drain()
         super().load_state_dict(state_dict)
         keep_saved_dtypes(self, state_dict)
         self._load_envelope_state(envelope)

@@ -66,7 +66,6 @@ class DenseAllReduce(CommunicatingOptimizer):
         self.param_groups = [g for o in self.optimizers for g in o.param_groups]
 
     def state_dict(self):
-        self.flush()
         return {"optimizers": [o.state_dict() for o in self.optimizers], **self._envelope_state()}
 
     def load_state_dict(self, state_dict) -> None:

@@ -79,7 +79,6 @@ class DiLoCo(PeriodicAveraging):
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
-        self.flush()
         outer = [dict(self.state[p]) for p in self.params]
         return {"inner": self.inner.state_dict(), "outer": outer, **self._envelope_state()}
 

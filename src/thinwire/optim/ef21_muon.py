@@ -349,6 +349,14 @@ class EF21Muon(CommunicatingOptimizer):
             shift = model_shift(state["server_model"], p, self.downlink.lossless)
             self.downlink.encode(shift, down[e.down], _seed(self.seed, sent.step, e.index, DOWN))
 
+    def _pending_state(self, record) -> dict:
+        """A checkpoint with this step in flight keeps the new momenta M_j⁺ its apply commits."""
+        return {"momenta": [m.clone() for m in self._sent.momenta]}
+
+    def _load_pending_state(self, record, saved: dict) -> None:
+        entries, _, _ = self._entries(record.layout)
+        self._sent = Sent(record.step, entries, [m.to(e.param.device).clone() for m, e in zip(saved["momenta"], entries)])
+
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         """Commit M_j and G_j, then W ← W + S, for every parameter with a gradient somewhere."""
         sent, self._sent = self._sent, None

@@ -10,15 +10,21 @@ the algorithm writes its payload after the prefix, the envelope seals the prefix
                   APMSqueeze's warmup, fp32 parameter-delta syncs)
     OneBitReduce  APMSqueeze's 1-bit all_to_all + all_gather (`thinwire.comm.collectives`)
     ServerRelay   gather to rank 0, a server step there, broadcast of its answer (EF21-Muon)
+
+Every exchange keeps the `Exchange` contract below. A step in flight is checkpointed by
+`checkpoint()` (copies of what `start()` sent from; ReduceAll, whose all_reduce overwrites
+its message with the sum, waits for it and keeps the sum) and, sized by `resize` again in a
+fresh optimizer, `resume(saved)` puts that back and starts the exchange as it was, so it
+delivers what the interrupted one would have.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from ..comm import Communicator
+from ..comm import Communicator, Pending
 from ..comm.collectives import OneBitAllReduce
 from .protocol import (FLAG_NONFINITE, PeerMismatchError, all_finite, prefix_nbytes, read_headers, read_presence,
                        read_trailer, trailer_numel, write_prefix, write_trailer)
@@ -33,6 +39,35 @@ class Delivery(NamedTuple):
     flagged: list
     present: torch.Tensor
     data: object
+
+
+@runtime_checkable
+class Exchange(Protocol):
+    """One step's messages: the algorithm writes `payload` (sized by the exchange's own
+    `resize`, whose arguments differ per exchange), the envelope `seal`s the prefix, `start`s
+    the first collective and `finish`es it into a `Delivery`."""
+
+    @property
+    def payload(self) -> torch.Tensor: ...
+
+    def seal(self, step: int, flags: int, present: list[bool]) -> None: ...
+
+    def start(self) -> None: ...
+
+    def finish(self, step: int) -> Delivery: ...
+
+    def checkpoint(self) -> list[torch.Tensor]: ...
+
+    def resume(self, saved: list[torch.Tensor]) -> None: ...
+
+
+def _put_back(buffers: list[torch.Tensor], saved: list[torch.Tensor]) -> None:
+    """Copy a checkpointed step in flight into this exchange's buffers, which must match it."""
+    if [tuple(b.shape) for b in buffers] != [tuple(t.shape) for t in saved]:
+        raise ValueError(f"the checkpoint's step in flight holds buffers of {[tuple(t.shape) for t in saved]} "
+                         f"elements; this optimizer's layout has {[tuple(b.shape) for b in buffers]}")
+    for b, t in zip(buffers, saved):
+        b.copy_(t)
 
 
 def _reuse(buf: torch.Tensor | None, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -60,6 +95,13 @@ class GatherAll:
 
     def seal(self, step: int, flags: int, present: list[bool]) -> None:
         write_prefix(self.buffer, step, flags, present)
+
+    def checkpoint(self) -> list[torch.Tensor]:
+        return [self.buffer.clone()]
+
+    def resume(self, saved: list[torch.Tensor]) -> None:
+        _put_back([self.buffer], saved)
+        self.start()
 
     def start(self) -> None:
         self._pending = self.comm.all_gather(self.buffer, tag=self.tag, async_op=True)
@@ -90,6 +132,16 @@ class ReduceAll:
 
     def seal(self, step: int, flags: int, present: list[bool]) -> None:
         write_trailer(self.buffer[self.numel:], step, bool(flags & FLAG_NONFINITE), present)
+
+    def checkpoint(self) -> list[torch.Tensor]:
+        """The sum over ranks: the all_reduce runs in place, so the message is gone once it
+        has run; waiting for it changes nothing but when this returns."""
+        return [self._pending.wait().clone()]
+
+    def resume(self, saved: list[torch.Tensor]) -> None:
+        """The sum is back in the buffer: nothing to send, finish() delivers it."""
+        _put_back([self.buffer], saved)
+        self._pending = Pending(None, self.buffer)
 
     def start(self) -> None:
         self._pending = self.comm.all_reduce(self.buffer, tag=self.tag, async_op=True)
@@ -130,6 +182,14 @@ class OneBitReduce:
             flags |= FLAG_NONFINITE
         write_prefix(self.prefix, step, flags, present)
 
+    def checkpoint(self) -> list[torch.Tensor]:
+        """m_i and the prefix (the worker error start() adds is APMSqueeze's own state)."""
+        return [self.x.clone(), self.prefix.clone()]
+
+    def resume(self, saved: list[torch.Tensor]) -> None:
+        _put_back([self.x, self.prefix], saved)
+        self.start()
+
     def start(self) -> None:
         self.reduce.start(self.x, self.worker_error, self.prefix)
 
@@ -166,6 +226,13 @@ class ServerRelay:
 
     def seal(self, step: int, flags: int, present: list[bool]) -> None:
         write_prefix(self.up, step, flags, present)
+
+    def checkpoint(self) -> list[torch.Tensor]:
+        return [self.up.clone()]
+
+    def resume(self, saved: list[torch.Tensor]) -> None:
+        _put_back([self.up], saved)
+        self.start()
 
     def start(self) -> None:
         self._pending = self.comm.gather(self.up, dst=0, tag="payload", async_op=True)

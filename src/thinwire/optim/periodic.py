@@ -188,6 +188,14 @@ class PeriodicAveraging(CommunicatingOptimizer):
             # e' = x − decode(encode(x)), kept aside: a sync that is not made must leave e as it was
             self.codec.encode(x, out=exchange.payload, error=self._unsent)
 
+    def _pending_state(self, record) -> dict:
+        """A checkpoint with a lossy sync in flight keeps e', the error its apply commits."""
+        return {} if self.codec is None else {"unsent": self._unsent.clone()}
+
+    def _load_pending_state(self, record, saved: dict) -> None:
+        if self.codec is not None:
+            self._unsent = saved["unsent"].to(record.layout[0].param.device).clone()
+
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         slots = slots_of(layout)
         n = sum(s.span.size for s in slots)

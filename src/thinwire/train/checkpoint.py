@@ -153,14 +153,12 @@ def _rng_state() -> dict:
 def _state(model, built, sched, rank: int, with_optimizer: bool, extra: dict | None = None) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     opt = built.optimizer
-    if with_optimizer and hasattr(opt, "flush"):
-        opt.flush()             # the in-flight update applied (and a lookahead taken back) before the model is read
     mine = {"scheduler": sched.state_dict(), "rng": _rng_state(), "extra": extra or {}}
     state = {"model": get_model_state_dict(model)}
     if not built.per_rank_state:                       # a torch optimizer: through DCP (sharded under HSDP)
         state["optim"] = get_optimizer_state_dict(model, opt)
     elif with_optimizer:
-        mine["optimizer"] = opt.state_dict()           # flushes an exchange in flight
+        mine["optimizer"] = opt.state_dict()           # an exchange in flight stays in flight, recorded
     if with_optimizer and built.replicas_drift:        # "model" holds one replica: each rank's own here
         mine["params"] = {n: _local(p).detach().clone() for n, p in model.named_parameters()}
     buf = io.BytesIO()
