@@ -18,8 +18,9 @@ time: one rank's compute in the compressed all-reduce, with a loopback communica
 hands back this rank's own buffers in the shapes W ranks would (no transfer: compute only),
 against torch.optim.Adam(foreach=True).step() on the same number of parameters.
 converge: real gloo workers train the quickrun byte-level model (thinwire.train.quickrun)
-with dense Adam (DenseAllReduce, fp32) and APMSqueeze at the same lr; final validation loss
-and the bytes each rank's communicator counted.
+with dense Adam (DenseAllReduce, fp32) and APMSqueeze at the same lr, APMSqueeze's warmup
+round(warmup-frac × steps) but at least MIN_WARMUP_STEPS (5; fewer are refused); final
+validation loss and the bytes each rank's communicator counted.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from thinwire import DenseAllReduce
 from thinwire.comm import CommStats
 from thinwire.comm.collectives import compressed_allreduce, padded_numel
 from thinwire.comm.communicator import Pending
-from thinwire.optim.apmsqueeze import APMSqueeze
+from thinwire.optim.apmsqueeze import MIN_WARMUP_STEPS, APMSqueeze
 from thinwire.optim.protocol import prefix_nbytes, trailer_numel
 from thinwire.train import quickrun
 from thinwire.train.launch import launch
@@ -106,7 +107,9 @@ def time_table(numel: int, world: int, repeats: int) -> None:
     p.grad = torch.randn(numel, generator=gen)
     adam = torch.optim.Adam([p], lr=1e-3, foreach=True)
     adam_s = median_seconds(adam.step, repeats)
-    opt = APMSqueeze([p], lr=1e-3, warmup_steps=1)      # world of one; the untimed first call is the warmup
+    opt = APMSqueeze([p], lr=1e-3, warmup_steps=MIN_WARMUP_STEPS)    # world of one
+    for _ in range(MIN_WARMUP_STEPS - 1):               # the warmup: these and median_seconds' untimed first call
+        opt.step()
     apms = median_seconds(opt.step, repeats)            # then compressed steps
     print(f"{numel / 1e6:.0f}M elements, threads={torch.get_num_threads()}, median of {repeats}\n")
     print("| what | s | vs Adam step |")
@@ -142,7 +145,11 @@ def _train(rank, world, kind, steps, warmup, lr, rows, out):
 
 
 def converge_table(workers: int, steps: int, warmup_frac: float, lr: float, rows: int) -> None:
-    warmup = max(1, round(warmup_frac * steps))           # APMSqueeze needs at least one warmup step
+    warmup = round(warmup_frac * steps)
+    if warmup < MIN_WARMUP_STEPS:                         # APMSqueeze refuses fewer (its 1-bit steps would diverge)
+        print(f"--warmup-frac {warmup_frac} of {steps} steps gives {warmup} warmup step(s); APMSqueeze needs at "
+              f"least {MIN_WARMUP_STEPS}, so T_w = {MIN_WARMUP_STEPS}\n")
+        warmup = MIN_WARMUP_STEPS
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("dense Adam (fp32)", f"APMSqueeze T_w={warmup}"):

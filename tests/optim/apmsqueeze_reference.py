@@ -20,7 +20,7 @@ from thinwire.optim.protocol import read_headers, write_header
 
 HEADER = 8
 N_VALUES, ROUNDS = 1000, 3            # all-reduce test: unpadded length and rounds of error feedback
-SHAPES, WARMUP, STEPS = [(5, 7), (3,)], 2, 5
+SHAPES, WARMUP, STEPS = [(5, 7), (3,)], 5, 8     # three compressed steps after the warmup
 LR, BETAS, EPS, WD = 0.01, (0.9, 0.99), 1e-8, 0.1
 
 
@@ -170,15 +170,16 @@ def _try_step(rank: int, world: int, params, opt, nan: bool) -> tuple[str, bool,
 
 
 def nonfinite_run(rank: int, world: int, nonfinite: str) -> dict:
-    """warmup_steps=2: step 1 (warmup) has a NaN on the last rank, step 2 (warmup) is good,
-    step 3 (compressed) is good, step 4 (compressed, error buffers no longer zero) has the
-    NaN, step 5 is good; each good step proves no rank was left inside a collective."""
+    """warmup_steps=5: step 1 (warmup) has a NaN on the last rank, steps 2-5 (warmup) are good,
+    step 6 (compressed) is good, step 7 (compressed, error buffers no longer zero) has the
+    NaN, step 8 is good; each good step proves no rank was left inside a collective."""
     params = [torch.nn.Parameter(t) for t in initial_params()]
-    opt = APMSqueeze(params, lr=LR, warmup_steps=2, betas=BETAS, nonfinite=nonfinite)
+    opt = APMSqueeze(params, lr=LR, warmup_steps=5, betas=BETAS, nonfinite=nonfinite)
     def bad_then_good():
         return _try_step(rank, world, params, opt, nan=True), _try_step(rank, world, params, opt, nan=False)
 
     result = {"warmup": bad_then_good()}
+    result["dense"] = [_try_step(rank, world, params, opt, nan=False) for _ in range(3)]    # steps 3-5
     result["primer"] = _try_step(rank, world, params, opt, nan=False)
     result["compressed"] = bad_then_good()
     result["params"] = torch.cat([p.detach().reshape(-1) for p in params])
@@ -191,16 +192,16 @@ ABSENT_SHAPES = [(40,), (30,), (20,)]     # flat ranges [0, 40), [40, 70), [70, 
 
 
 def absent_run(rank: int, world: int) -> dict:
-    """A warmup step and a compressed step with every gradient, then a compressed step in
+    """Five warmup steps and a compressed step with every gradient, then a compressed step in
     which the second parameter has a gradient on no rank and the third one only on rank 0."""
     gen = torch.Generator().manual_seed(7)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ABSENT_SHAPES]
-    opt = APMSqueeze(params, lr=LR, warmup_steps=1, betas=BETAS, weight_decay=WD)
-    for t in range(3):
+    opt = APMSqueeze(params, lr=LR, warmup_steps=5, betas=BETAS, weight_decay=WD)
+    for t in range(7):
         grads = [torch.randn(s, generator=torch.Generator().manual_seed(50 + 10 * rank + t)) for s in ABSENT_SHAPES]
         for k, p in enumerate(params):
-            p.grad = grads[k] if (t < 2 or k == 0 or (k == 2 and rank == 0)) else None
-        if t == 2:
+            p.grad = grads[k] if (t < 6 or k == 0 or (k == 2 and rank == 0)) else None
+        if t == 6:
             before = _snapshot(opt, params)
         opt.step()
     return {"before": before, "after": _snapshot(opt, params)}

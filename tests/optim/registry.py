@@ -36,7 +36,7 @@ import torch
 import thinwire
 
 SYNC_EVERY = 4
-APM_WARMUP = 4
+APM_WARMUP = 5      # thinwire.optim.apmsqueeze.MIN_WARMUP_STEPS: fewer are refused
 LONG = 50           # a variant's run: K = 5 and 10 divide it; resumed from a checkpoint at 25
 
 

@@ -160,7 +160,7 @@ def test_parameter_with_gradient_on_no_rank_is_restored_exactly(outcome):
         assert torch.equal(after["params"][1], before["params"][1])               # b: not moved
         for key, value in before["state"][1].items():
             assert torch.equal(torch.as_tensor(after["state"][1][key]), torch.as_tensor(value)), key
-        assert after["state"][1]["step"] == 2 and after["state"][0]["step"] == after["state"][2]["step"] == 3
+        assert after["state"][1]["step"] == 6 and after["state"][0]["step"] == after["state"][2]["step"] == 7
         assert torch.equal(after["worker_error"][40:70], before["worker_error"][40:70])
         assert not torch.equal(after["worker_error"][:40], before["worker_error"][:40])
         lo, hi = max(40, rank * chunk), min(70, (rank + 1) * chunk)               # b's part of this server chunk
@@ -193,8 +193,8 @@ def test_nonfinite_gradient_on_one_rank_in_both_phases(outcome, policy):
                 assert status == "ok", (phase, status)
             assert unchanged and same_errors, phase
             assert after == "ok" and not moved, (phase, after)             # nobody was left inside a collective
-        assert got["primer"][0] == "ok"
-        assert got["steps_done"] == 5 and got["param_steps"] == [3, 3]     # flagged steps count no parameter step
+        assert [status for status, _, _ in got["dense"]] == ["ok"] * 3 and got["primer"][0] == "ok"
+        assert got["steps_done"] == 8 and got["param_steps"] == [6, 6]     # flagged steps count no parameter step
         assert torch.equal(got["params"], results[0]["nonfinite"][policy]["params"])
     if policy == "raise":
         assert f"[{world - 1}]" in results[0]["nonfinite"]["raise"]["compressed"][0][0]
@@ -227,15 +227,19 @@ def test_bad_arguments():
                          ({"nonfinite": "ignore"}, "nonfinite"),
                          ({"betas": (1.0, 0.9)}, "betas"), ({"betas": (0.9, -0.1)}, "betas"),
                          ({"eps": 0.0}, "eps"), ({"eps": -1e-8}, "eps"), ({"lr": -1.0}, "lr"),
-                         ({"weight_decay": -0.1}, "weight_decay"), ({"error_resume": "keep"}, "error_resume")]:
-        args = {"lr": 0.1, "warmup_steps": 1, **kwargs}
+                         ({"weight_decay": -0.1}, "weight_decay"), ({"error_resume": "keep"}, "error_resume"),
+                         ({"warmup_steps": 1}, "warmup_steps must be >= 5"),
+                         ({"warmup_steps": 4}, "warmup_steps must be >= 5")]:
+        args = {"lr": 0.1, "warmup_steps": 5, **kwargs}
         with pytest.raises(ValueError, match=name):
             APMSqueeze(p, **args)
     with pytest.raises(ValueError, match="v stays 0"):                # the reason, not only the name
         APMSqueeze(p, lr=0.1, warmup_steps=0)
+    with pytest.raises(ValueError, match="divided by it diverges"):   # too few: v̂ too noisy to divide by
+        APMSqueeze(p, lr=0.1, warmup_steps=3)
     with pytest.raises(TypeError):                                    # the undocumented option is gone
-        APMSqueeze(p, lr=0.1, warmup_steps=1, compress="preconditioned")
-    opt = APMSqueeze(p, lr=0.1, warmup_steps=1)
+        APMSqueeze(p, lr=0.1, warmup_steps=5, compress="preconditioned")
+    opt = APMSqueeze(p, lr=0.1, warmup_steps=5)
     with pytest.raises(ValueError, match="eps"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "eps": 0.0})
 
@@ -246,8 +250,8 @@ def test_coordinates_without_warmup_gradient(mask_unseen):
     ±scale, and m̄ / ε throws them far (the paper's update); mask_unseen leaves them alone."""
     gen = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter(torch.zeros(64))
-    opt = APMSqueeze([p], lr=0.01, warmup_steps=2, mask_unseen=mask_unseen)
-    for _ in range(4):
+    opt = APMSqueeze([p], lr=0.01, warmup_steps=5, mask_unseen=mask_unseen)
+    for _ in range(7):                                                # 5 warmup steps, 2 compressed
         p.grad = torch.randn(64, generator=gen)
         p.grad[:8] = 0.0
         opt.step()
@@ -268,8 +272,8 @@ def test_non_contiguous_parameters_step_like_contiguous_ones():
     odd = [torch.nn.Parameter(conv.contiguous(memory_format=torch.channels_last)), torch.nn.Parameter(mat.clone())]
     plain = [torch.nn.Parameter(conv.clone()), torch.nn.Parameter(mat.contiguous())]
     assert not odd[0].is_contiguous() and not odd[1].is_contiguous()
-    opts = [APMSqueeze(ps, lr=0.01, warmup_steps=2, weight_decay=0.1) for ps in (odd, plain)]
-    for _ in range(5):
+    opts = [APMSqueeze(ps, lr=0.01, warmup_steps=5, weight_decay=0.1) for ps in (odd, plain)]
+    for _ in range(8):                                                # 5 warmup steps, 3 compressed
         grads = [torch.randn(p.shape, generator=gen) for p in plain]
         odd[0].grad, odd[1].grad = grads[0].contiguous(memory_format=torch.channels_last), grads[1].t().contiguous().t()
         plain[0].grad, plain[1].grad = grads[0].clone(), grads[1].clone()
@@ -283,16 +287,16 @@ def test_non_contiguous_parameters_step_like_contiguous_ones():
 def test_bf16_parameters_keep_float32_state_through_a_checkpoint():
     gen = torch.Generator().manual_seed(1)
     params = [torch.nn.Parameter(torch.randn(8, 8, generator=gen).to(torch.bfloat16))]
-    opt = APMSqueeze(params, lr=0.01, warmup_steps=2)
-    for _ in range(3):
+    opt = APMSqueeze(params, lr=0.01, warmup_steps=5)
+    for _ in range(6):                                                # 5 warmup steps, 1 compressed
         params[0].grad = torch.randn(8, 8, generator=gen).to(torch.bfloat16)
         opt.step()
     saved = opt.state_dict()
-    fresh = APMSqueeze(params, lr=0.01, warmup_steps=2)
+    fresh = APMSqueeze(params, lr=0.01, warmup_steps=5)
     fresh.load_state_dict(saved)
     state = fresh.state[params[0]]
     assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
-    assert fresh.worker_error.dtype == torch.float32 and fresh.steps_done == 3
+    assert fresh.worker_error.dtype == torch.float32 and fresh.steps_done == 6
     for key in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(state[key], opt.state[params[0]][key])
 
@@ -302,11 +306,12 @@ def test_frozen_and_empty_parameters_are_not_part_of_the_message():
     all-reduce carries 4 * (numel + 1 + 16 + 2) bytes, and frozen / empty ones are untouched."""
     live = [torch.nn.Parameter(torch.ones(3, 5)), torch.nn.Parameter(torch.ones(7))]
     frozen, empty = torch.nn.Parameter(torch.ones(4), requires_grad=False), torch.nn.Parameter(torch.ones(0))
-    opt = APMSqueeze([live[0], frozen, empty, live[1]], lr=0.1, warmup_steps=1)
+    opt = APMSqueeze([live[0], frozen, empty, live[1]], lr=0.1, warmup_steps=5)
     for p in live:
         p.grad = torch.ones_like(p)
-    opt.step()
-    assert opt.comm_stats.last_step.payload_bytes == 4 * (15 + 7 + 1 + 16 + 2)
+    for _ in range(5):                                               # the warmup
+        opt.step()
+        assert opt.comm_stats.last_step.payload_bytes == 4 * (15 + 7 + 1 + 16 + 2)
     assert torch.equal(frozen, torch.ones(4)) and frozen not in opt.state and empty not in opt.state
     opt.step()                                                       # compressed: N = 24 (22 padded to 8)
     assert opt.comm_stats.last_step.payload_bytes == 4 + 24 // 8     # W = 1: only the all_gather is handed over
