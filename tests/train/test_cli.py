@@ -102,6 +102,9 @@ def test_demo_sends_over_100x_less(run):
     (["--preset", "wan", "--rows", "1"], "2 workers but only 1 batch rows"),  # wan's: 2
     (["--uplink", "topk:2"], "uplink='topk:2'"),
     (["--compressed-after", "1.5"], "compressed_after must be in"),
+    (["--optimizers", "adamw,apmsqueeze", "--compressed-after", "0.05"],      # 3 of tiny's 60 steps
+     "gives APMSqueeze 3 dense warmup step(s); it needs at least 5"),
+    (["--optimizers", "demo,apmsqueeze-overlap", "--steps", "20"], "gives APMSqueeze 4 dense warmup step(s)"),
 ])
 def test_user_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

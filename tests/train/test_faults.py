@@ -26,41 +26,51 @@ from thinwire.train.checkpoint import CheckpointError, check, checkpoint_root, e
 from thinwire.train.config import get_preset
 
 OPTIMIZERS = ["demo", "apmsqueeze", "ef21-muon", "lordo"]
+# APMSqueeze needs 5 dense warmup steps: its run is 12 steps long (warmup 5), so that the kill
+# (step 10) and the checkpoint it resumes from (step 8) fall in its 1-bit phase, errors and all
+STEPS = {"apmsqueeze": 12}
+FLAGS = {"apmsqueeze": ["--compressed-after", "0.42"]}
+SETTINGS = {"apmsqueeze": {"compressed_after": 0.42}}
 
 
 def _torchrun(out: Path, optimizer: str, restarts: int, env: dict) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", str(restarts), "--monitor-interval", "0.2",
            "-m", "thinwire.train", "--optimizer", optimizer, *TRAIN, "--out", str(out),
-           "--checkpoint-every", "4", "--peer-timeout", "20"]
+           "--checkpoint-every", "4", "--peer-timeout", "20",
+           "--steps", str(STEPS.get(optimizer, 8)), *FLAGS.get(optimizer, [])]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_sigkill_under_torchrun_restarts_and_ends_bit_identical(optimizer, tmp_path):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
+    steps = STEPS.get(optimizer, 8)
     runs = [_torchrun(whole, optimizer, 0, train_env()),
-            _torchrun(killed, optimizer, 1, train_env(THINWIRE_DIE_AT="1:6"))]
+            _torchrun(killed, optimizer, 1, train_env(THINWIRE_DIE_AT=f"1:{steps - 2}"))]
     outs = [p.communicate(timeout=240)[0] for p in runs]
     for p, text in zip(runs, outs):
         assert p.returncode == 0, text[-3000:]
     assert "resuming" not in outs[0]
-    assert f"resuming {optimizer} from {checkpoint_root(killed) / 'step-000004'} (step 4 of 8)" in outs[1], outs[1]
-    a = read_model(checkpoint_root(whole) / "step-000008")
-    b = read_model(checkpoint_root(killed) / "step-000008")
+    resumed = f"step-{steps - 4:06d}"
+    assert f"resuming {optimizer} from {checkpoint_root(killed) / resumed} (step {steps - 4} of {steps})" in outs[1], \
+        outs[1]
+    a = read_model(checkpoint_root(whole) / f"step-{steps:06d}")
+    b = read_model(checkpoint_root(killed) / f"step-{steps:06d}")
     assert a.keys() == b.keys() and a
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
 
     # a truncated checkpoint of this optimizer is a clear error; the previous one still reads
-    last = checkpoint_root(killed) / "step-000008"
+    last = checkpoint_root(killed) / f"step-{steps:06d}"
     shard = last / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-1])
-    meta = expected_meta(get_preset("tiny", steps=8, eval_every=4, eval_rows=16, workers=2, sync_every=3),
-                         optimizer, __import__("json").loads((last / "thinwire.json").read_text())["lr"], 2)
-    with pytest.raises(CheckpointError, match=r"corrupt: __0_0.distcp .* previous checkpoint .*step-000004"):
+    cfg = get_preset("tiny", steps=steps, eval_every=4, eval_rows=16, workers=2, sync_every=3,
+                     **SETTINGS.get(optimizer, {}))
+    meta = expected_meta(cfg, optimizer, __import__("json").loads((last / "thinwire.json").read_text())["lr"], 2)
+    with pytest.raises(CheckpointError, match=rf"corrupt: __0_0.distcp .* previous checkpoint .*{resumed}"):
         check(last, meta)
-    previous = checkpoint_root(killed) / "step-000004"
-    assert check(previous, meta)["step"] == 4 and read_model(previous).keys() == a.keys()
+    previous = checkpoint_root(killed) / resumed
+    assert check(previous, meta)["step"] == steps - 4 and read_model(previous).keys() == a.keys()
 
 
 def _free_port() -> int:
@@ -77,7 +87,8 @@ def _workers(out: Path, optimizer: str, world: int, die: str, timeout: float) ->
         env = train_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), THINWIRE_DIE_AT=die)
         cmd = [sys.executable, "-m", "thinwire.train", "--optimizer", optimizer, *TRAIN, "--workers", str(world),
-               "--out", str(out), "--checkpoint-every", "4", "--peer-timeout", str(timeout)]
+               "--out", str(out), "--checkpoint-every", "4", "--peer-timeout", str(timeout),
+               "--steps", str(STEPS.get(optimizer, 8)), *FLAGS.get(optimizer, [])]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 

@@ -46,6 +46,7 @@ import torch
 
 from ..comm import CommStats
 from ..optim import APMSqueeze, DeMo, DenseAllReduce, DiLoCo, EF21Muon, LoRDO
+from ..optim.apmsqueeze import MIN_WARMUP_STEPS
 
 
 @dataclass
@@ -80,6 +81,8 @@ class OptimizerSpec:
     why_no_overlap: str = ""               # cannot take overlap=True (--overlap is refused)
     why_no_shards: str = ""                # cannot run on FSDP2 shards (several ranks per site)
     why_no_checkpoint: str = ""            # a checkpoint would not hold all its state (train refuses)
+    # cfg -> a sentence saying why this optimizer cannot run that configuration ("": it can)
+    why_not_config: Callable[[object], str] | None = None
 
     @property
     def can_overlap(self) -> bool:
@@ -168,9 +171,21 @@ def _demo(model, cfg, lr, group=None, lookahead: str = "none"):
                       process_group=group, overlap=_ov(cfg) or lookahead != "none", lookahead=lookahead), model)
 
 
+def _apmsqueeze_warmup(cfg) -> int:
+    return round(cfg.compressed_after * cfg.steps)
+
+
+def _apmsqueeze_short_warmup(cfg) -> str:
+    warmup = _apmsqueeze_warmup(cfg)
+    if warmup >= MIN_WARMUP_STEPS:
+        return ""
+    return (f"--compressed-after {cfg.compressed_after} of {cfg.steps} steps gives APMSqueeze {warmup} dense "
+            f"warmup step(s); it needs at least {MIN_WARMUP_STEPS} (its 1-bit phase divides by the v those "
+            f"steps estimate): raise --compressed-after to {MIN_WARMUP_STEPS / cfg.steps:.3g} or more")
+
+
 def _apmsqueeze(model, cfg, lr, group=None):
-    warmup = max(1, round(cfg.compressed_after * cfg.steps))        # APMSqueeze needs >= 1 Adam step for v
-    return _wrap(APMSqueeze(model.parameters(), lr=lr, warmup_steps=warmup, betas=(0.9, 0.95),
+    return _wrap(APMSqueeze(model.parameters(), lr=lr, warmup_steps=_apmsqueeze_warmup(cfg), betas=(0.9, 0.95),
                             process_group=group, overlap=_ov(cfg)), model)
 
 
@@ -261,7 +276,8 @@ register(OptimizerSpec(
 register(OptimizerSpec("demo", _demo, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 4e-4, "sites": 4e-4},
                        description="DeMo (DCT top-k, signum)", on_shards=True))
 register(OptimizerSpec("apmsqueeze", _apmsqueeze, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3},
-                       description="APMSqueeze (Adam warmup, then 1-bit momentum)", counterpart="adam", on_shards=True))
+                       description="APMSqueeze (Adam warmup, then 1-bit momentum)", counterpart="adam", on_shards=True,
+                       why_not_config=_apmsqueeze_short_warmup))
 register(OptimizerSpec("ef21-muon", _ef21_muon, {"tiny": 1e-2, "small": 1.2e-1, "base": 1.2e-1},
                        description="EF21-Muon (replicated, beta 0.3, uplink top-44% int8)", counterpart="muon",
                        on_shards=True))
@@ -277,7 +293,8 @@ def _overlap_variant(base: OptimizerSpec) -> OptimizerSpec:
         return base.build(model, replace(cfg, overlap=True), lr, group=group)
     return OptimizerSpec(f"{base.name}-overlap", build, dict(base.default_lr), dense=False,
                          description=f"{base.description}, overlap=True (exchange in flight during the next step)",
-                         counterpart=base.counterpart, on_shards=base.on_shards, overlap=True)
+                         counterpart=base.counterpart, on_shards=base.on_shards, overlap=True,
+                         why_not_config=base.why_not_config)
 
 
 for _name in ("demo", "ef21-muon", "apmsqueeze", "lordo", "diloco"):

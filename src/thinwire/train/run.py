@@ -38,6 +38,8 @@ def check_run(cfg: TrainConfig, optimizers: list[str], workers: int, data: str |
         spec = get_optimizer(name)
         if cfg.overlap and not spec.can_overlap:
             raise ValueError(f"--overlap: {spec.why_no_overlap}; overlap applies to thinwire optimizers")
+        if spec.why_not_config is not None and spec.why_not_config(cfg):
+            raise ValueError(spec.why_not_config(cfg))
     if len(set(optimizers)) != len(optimizers):
         raise ValueError(f"optimizers repeat a name: {optimizers}")
     if workers < 1:
