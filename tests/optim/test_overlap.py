@@ -90,8 +90,50 @@ def _mismatch_then_flush(name: str, rank: int, steps: int) -> tuple[str, torch.T
     return raised, problem.flat_params(model)
 
 
+# A checkpoint taken with an exchange in flight, for the exchanges the registry's overlap
+# entries do not cover: EF21-Muon's ServerRelay (gather, server step, broadcast; a lossy
+# uplink) and a lossy periodic sync (its new error e' is kept aside until the sync lands).
+IN_FLIGHT = {
+    "ef21-muon server topk+int8": lambda ps: thinwire.EF21Muon(ps, lr=0.02, beta=0.3, uplink="topk:0.44+int8",
+                                                               overlap=True),
+    "diloco int8": lambda ps: thinwire.DiLoCo(ps, inner=lambda q: torch.optim.AdamW(q, lr=1e-2), sync_every=3,
+                                              wire="int8", overlap=True),
+}
+CHECKPOINT_AT = 6            # calls: DiLoCo's sync of step 6 is then in flight
+
+
+def _steps(model, opt, rank: int, start: int, stop: int) -> None:
+    for step in range(start, stop):
+        problem.loss_on(model, *problem.batch(rank, step)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _checkpointed(build, rank: int) -> tuple:
+    """Parameters after STEPS calls and flush(): undisturbed, with a state_dict() after
+    CHECKPOINT_AT calls, and resumed from that state_dict in fresh objects."""
+    plain = problem.make_model()
+    plain_opt = build(list(plain.parameters()))
+    _steps(plain, plain_opt, rank, 0, STEPS)
+    plain_opt.flush()
+    model = problem.make_model()
+    opt = build(list(model.parameters()))
+    _steps(model, opt, rank, 0, CHECKPOINT_AT)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    _steps(model, opt, rank, CHECKPOINT_AT, STEPS)
+    opt.flush()
+    fresh = problem.make_model(seed=77)
+    fresh.load_state_dict(saved["model"])
+    fresh_opt = build(list(fresh.parameters()))
+    fresh_opt.load_state_dict(saved["opt"])
+    _steps(fresh, fresh_opt, rank, CHECKPOINT_AT, STEPS)
+    fresh_opt.flush()
+    return problem.flat_params(plain), problem.flat_params(model), problem.flat_params(fresh), "thinwire_in_flight" in saved["opt"]
+
+
 def _both(rank: int, world: int) -> dict:
     runs = {name: (_overlapped(name, rank), _late_gradient_reference(name, rank)) for name in PAIRS}
+    runs["in flight"] = {name: _checkpointed(build, rank) for name, build in IN_FLIGHT.items()}
     runs["demo-lookahead"] = (_overlapped("demo-lookahead", rank), _overlapped("demo-overlap", rank))
     runs["demo-overlap, bias without gradient on odd steps"] = (_overlapped("demo-overlap", rank, drop=True),
                                                                 _late_gradient_reference("demo-overlap", rank, drop=True))
@@ -110,6 +152,17 @@ def test_overlap_is_the_algorithm_with_each_exchange_applied_a_call_later(runs, 
         overlapped, reference = per_rank[name]
         assert torch.equal(overlapped, reference)
         assert not torch.equal(overlapped, problem.flat_params(problem.make_model()))   # it trained
+
+
+@pytest.mark.parametrize("name", sorted(IN_FLIGHT))
+def test_a_checkpoint_with_an_exchange_in_flight_changes_nothing_and_resumes_exactly(runs, name):
+    for per_rank in runs:
+        plain, checkpointed, resumed, was_in_flight = per_rank["in flight"][name]
+        assert was_in_flight
+        assert torch.equal(checkpointed, plain)
+        assert torch.equal(resumed, plain)
+    if not name.startswith("diloco"):            # DiLoCo's replicas differ after its last local step
+        assert torch.equal(runs[0]["in flight"][name][0], runs[1]["in flight"][name][0])
 
 
 def test_lookahead_replicas_agree_after_flush_and_differ_from_plain_overlap(runs):
