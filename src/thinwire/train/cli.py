@@ -13,10 +13,11 @@ import os
 import sys
 
 DEFAULT_COMPARE = "adamw,powersgd,demo"
-_OVERRIDES = ("workers", "sites", "n_layer", "n_embd", "n_head", "context", "vocab_size", "rows", "steps", "eval_every",
-              "eval_rows", "seed", "lr", "topk", "chunk", "alpha", "beta", "momentum_form", "rank", "values", "compressed_after",
+_OVERRIDES = ("model", "init_from", "workers", "sites", "n_layer", "n_embd", "n_head", "context", "vocab_size", "rows",
+              "steps", "eval_every", "eval_rows", "seed", "lr", "topk", "chunk", "alpha", "beta", "momentum_form", "rank", "values", "compressed_after",
               "uplink", "sync_every", "lowrank")
-_FLOATS, _STRINGS = ("lr", "alpha", "beta", "compressed_after"), ("values", "uplink", "momentum_form")
+_FLOATS = ("lr", "alpha", "beta", "compressed_after")
+_STRINGS = ("model", "init_from", "values", "uplink", "momentum_form")
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:

@@ -22,6 +22,8 @@ class TrainConfig:
     """Model, data and schedule of one run (every worker builds the same from it)."""
 
     name: str = "small"
+    model: str = "gpt"           # gpt (train/model.py), a transformers family (llama, qwen2, mistral, gpt2) or a config.json
+    init_from: str | None = None  # a transformers model: start from the safetensors weights in this directory
     workers: int = 4             # worker processes the preset is sized for (--workers overrides)
     sites: int = 0               # two tiers: sites of workers/sites ranks (FSDP2 inside); 0: flat
     n_layer: int = 2
@@ -107,6 +109,9 @@ class RunOptions:
 
 # One line per field for `--help` (the CLI's overrides).
 FIELD_HELP = {
+    "model": "gpt (the harness's own), llama, qwen2, mistral, gpt2 (transformers, sized by the preset) or the "
+             "path of a config.json (used as it is); transformers models need the [hf] extra",
+    "init_from": "a transformers model: start from the safetensors weights in this directory (same config)",
     "workers": "worker processes (default: the preset's, 4 except wan's 2)",
     "sites": "run the workers as S sites of workers/S ranks: FSDP2 inside a site, the optimizer across "
              "sites; with --link only traffic between sites crosses the slow link (0: flat)",
@@ -177,6 +182,8 @@ def get_preset(name: str, **overrides) -> TrainConfig:
         raise ValueError(f"sync_every must be >= 1 and lowrank >= 0, got {cfg.sync_every}, {cfg.lowrank}")
     if cfg.sites < 0:
         raise ValueError(f"sites must be >= 0 (0: flat), got {cfg.sites}")
+    if cfg.init_from and cfg.model == "gpt":
+        raise ValueError("--init-from loads transformers weights: give --model (a family or a config.json) too")
     if cfg.n_embd % cfg.n_head:
         raise ValueError(f"n_embd ({cfg.n_embd}) must be a multiple of n_head ({cfg.n_head})")
     return cfg

@@ -68,7 +68,25 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def build_model(cfg) -> GPT:
-    """The same initial weights on every rank: the seed fixes them."""
+def build_model(cfg) -> nn.Module:
+    """`cfg.model`'s model, the same initial weights on every rank (the seed fixes them): the
+    GPT above for "gpt", else a transformers causal LM (train/hf.py)."""
+    if getattr(cfg, "model", "gpt") != "gpt":
+        from .hf import build_hf_model
+        return build_hf_model(cfg)
     torch.manual_seed(cfg.seed)
     return GPT(cfg)
+
+
+def hidden_matrices(model: nn.Module) -> tuple[list, list]:
+    """(hidden matrices, the rest), Muon's usual split, in `model.parameters()` order: the rest
+    is every embedding table (token, position), the output head (tied or not) and every
+    parameter of fewer than 2 dimensions (norm gains, biases). GPT-2's Conv1D weights are
+    [in, out] matrices and count as hidden matrices like a Linear's [out, in]."""
+    outside = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    head = getattr(model, "head", None)
+    if head is not None:
+        outside |= {id(p) for p in head.parameters()}
+    matrices = [p for p in model.parameters() if p.dim() == 2 and id(p) not in outside]
+    ids = {id(p) for p in matrices}
+    return matrices, [p for p in model.parameters() if id(p) not in ids]

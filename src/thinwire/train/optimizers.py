@@ -47,6 +47,7 @@ import torch
 from ..comm import CommStats
 from ..optim import APMSqueeze, DeMo, DenseAllReduce, DiLoCo, EF21Muon, LoRDO
 from ..optim.apmsqueeze import MIN_WARMUP_STEPS
+from .model import hidden_matrices
 
 
 @dataclass
@@ -149,17 +150,10 @@ def _adam_allreduce(model, cfg, lr, group=None):
                  model)
 
 
-def _split(model) -> tuple[list, list]:
-    """(hidden matrices, the rest: embeddings, the tied head, norm gains), Muon's usual split."""
-    matrices = [p for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith(("wte", "wpe"))]
-    ids = {id(p) for p in matrices}
-    return matrices, [p for p in model.parameters() if id(p) not in ids]
-
-
 def _muon(model, cfg, lr, group=None):
     """torch.optim.Muon on hidden matrices, AdamW on embeddings/head/norms (Muon's usual split);
     'match_rms_adamw' scaling lets both share one learning rate."""
-    matrices, rest = _split(model)
+    matrices, rest = hidden_matrices(model)
     inner = [torch.optim.Muon(matrices, lr=lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
              torch.optim.AdamW(rest, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)]
     return _wrap(DenseAllReduce(inner, process_group=group, overlap=_ov(cfg)), model)
@@ -201,7 +195,7 @@ EF21_BETA = 0.3
 
 
 def _ef21_muon(model, cfg, lr, group=None):
-    matrices, rest = _split(model)
+    matrices, rest = hidden_matrices(model)
     embeddings = [p for p in rest if p.dim() == 2]
     gains = [p for p in rest if p.dim() < 2]
     groups = [{"params": matrices, "lmo": "spectral"},
@@ -218,7 +212,7 @@ LORDO_CLIP = 0.25
 
 
 def _lordo(model, cfg, lr, group=None):
-    matrices, rest = _split(model)
+    matrices, rest = hidden_matrices(model)
     rank = cfg.lowrank or min(256, max(1, cfg.n_embd // 4))
     groups = [{"params": matrices, "low_rank": True}, {"params": rest, "low_rank": False}]
     return _wrap(LoRDO(groups, lr=lr, rank=rank, sync_every=cfg.sync_every, clip=LORDO_CLIP, betas=(0.9, 0.95),
