@@ -29,9 +29,10 @@ FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 # heads, 8 k/v heads), or the largest divisor of n_head below that count.
 GQA_GROUP = 4
 # MLP width over model width: Llama's SwiGLU 8/3 (7B: 11008 / 4096 after rounding up), Mistral
-# 7B's 3.5 (14336 / 4096), Qwen2-0.5B's 5.43 (4864 / 896); rounded up to a multiple of MLP_ROUND.
+# 7B's 3.5 (14336 / 4096), Qwen2-0.5B's 5.43 (4864 / 896); rounded up as Llama rounds (to a
+# multiple of 256 at 7B), the multiple scaled down with the width (`mlp_width`).
 MLP_RATIO = {"llama": 8 / 3, "mistral": 3.5, "qwen2": 4864 / 896}
-MLP_ROUND = 32
+MLP_MULTIPLE = 256
 
 
 def transformers_module():
@@ -51,7 +52,10 @@ def kv_heads(n_head: int) -> int:
 
 
 def mlp_width(family: str, n_embd: int) -> int:
-    return -(-round(MLP_RATIO[family] * n_embd) // MLP_ROUND) * MLP_ROUND
+    """The family's MLP width at model width n_embd, rounded up to a multiple of the largest
+    power of two <= min(MLP_MULTIPLE, n_embd / 4) (Llama-2-7B: int(8/3 x 4096) -> 11008)."""
+    multiple = 1 << (max(1, min(MLP_MULTIPLE, n_embd // 4)).bit_length() - 1)
+    return -(-int(MLP_RATIO[family] * n_embd) // multiple) * multiple
 
 
 def family_config(cfg):
@@ -84,7 +88,7 @@ def file_config(path: str):
     p = Path(path)
     p = p / "config.json" if p.is_dir() else p
     if not p.is_file():
-        raise ValueError(f"--model {path}: no such config.json (give gpt, {', '.join(FAMILIES)} or a config.json)")
+        raise ValueError(f"--model {path}: a directory without a config.json")
     try:
         raw = json.loads(p.read_text())
         return tf.AutoConfig.for_model(**raw) if "model_type" in raw else _no_type(p)
@@ -103,7 +107,11 @@ def _first_line(err: BaseException) -> str:
 
 def model_config(cfg):
     """The transformers config `cfg.model` names: a family's (sized by cfg) or a file's."""
-    return family_config(cfg) if cfg.model in FAMILIES else file_config(cfg.model)
+    if cfg.model in FAMILIES:
+        return family_config(cfg)
+    if not Path(cfg.model).exists():
+        raise ValueError(f"unknown --model {cfg.model!r}: gpt, {', '.join(FAMILIES)} or the path of a config.json")
+    return file_config(cfg.model)
 
 
 class CausalLM(nn.Module):
