@@ -6,6 +6,9 @@ Sources (`load_corpus(path, vocab_size)`):
     site-packages, sorted by path. Nothing is downloaded.
   * a text file, or a directory of text files (read recursively, sorted by path): bytes.
   * a `.bin` file of uint16 token ids (nanoGPT's format); ids must be < vocab_size.
+  * a directory that `corpus.prepare_corpus` wrote (its manifest.json): the token ids of
+    JSONL / Parquet / text data, tokenised once in the launcher (byte-level or with a
+    tokenizer.json), already split; ids must be < vocab_size. See corpus.py.
 The split is by document for text (every 20th file is validation, so both halves span the
 whole corpus) and by position for `.bin` (the last 5 %). Every global batch is drawn from
 a generator seeded by (seed, step); rank r takes rows r, r+W, r+2W, ... of it, so the
@@ -42,14 +45,18 @@ def _split_files(files: list[Path]) -> tuple[torch.Tensor, torch.Tensor]:
     return as_ids(train), as_ids(val)
 
 
+def check_ids(ids: torch.Tensor, vocab_size: int, path) -> None:
+    if ids.numel() and int(ids.max()) >= vocab_size:
+        raise ValueError(f"{path} holds token id {int(ids.max())} >= vocab_size {vocab_size}; "
+                         f"pass --vocab-size {int(ids.max()) + 1} or more")
+
+
 def _load_bin(path: Path, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     raw = bytearray(path.read_bytes())
     if len(raw) % 2:
         raise ValueError(f"{path} has an odd number of bytes: not a .bin of uint16 token ids")
     ids = torch.frombuffer(raw, dtype=torch.uint16).to(torch.int64) if raw else torch.zeros(0, dtype=torch.long)
-    if ids.numel() and int(ids.max()) >= vocab_size:
-        raise ValueError(f"{path} holds token id {int(ids.max())} >= vocab_size {vocab_size}; "
-                         f"pass --vocab-size {int(ids.max()) + 1} or more")
+    check_ids(ids, vocab_size, path)
     cut = int(ids.numel() * (1 - BIN_VAL_FRAC))
     return ids[:cut], ids[cut:]
 
@@ -63,6 +70,9 @@ def load_corpus(path: str | None, vocab_size: int = 256) -> tuple[torch.Tensor, 
         raise ValueError(f"data path {path!r} does not exist")
     if p.suffix == ".bin":
         return _load_bin(p, vocab_size)
+    from .corpus import is_prepared, load_prepared      # here, not at the top: corpus imports this module
+    if is_prepared(p):
+        return load_prepared(p, vocab_size)
     if vocab_size < 256:
         raise ValueError(f"text data is byte-level and needs vocab_size >= 256, got {vocab_size}")
     if p.is_dir():
