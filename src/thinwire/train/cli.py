@@ -26,8 +26,13 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                    help="tiny (smoke test), small (default), base (longer), wan (link-bound: 2 workers), "
                         "sites (link-bound: 2 sites x 2 workers)")
     p.add_argument("--out", help="directory for <optimizer>.jsonl logs, summary.json, table.md, plots")
-    p.add_argument("--data", help="text file, directory of text files, or .bin of uint16 ids "
-                                  "(default: the Python standard library's source)")
+    p.add_argument("--data", help="text file, directory of files, .jsonl/.parquet of records with a text field, "
+                                  "or .bin of uint16 ids (default: the Python standard library's source)")
+    p.add_argument("--tokenizer", metavar="PATH", help="tokenise --data with this local tokenizer.json, once, "
+                   "cached; the vocabulary is the tokenizer's (default: byte-level, 256) [hf extra]")
+    p.add_argument("--text-field", default="text", help="the text field of JSONL/Parquet records (default: text)")
+    p.add_argument("--data-cache", metavar="DIR", help="cache of tokenised corpora "
+                   "(default: $THINWIRE_CACHE or ~/.cache/thinwire/corpora)")
     p.add_argument("--link", help="emulate a slow link, e.g. 100mbit or 100mbit,20ms (root + iproute2); "
                                   "with --sites, between sites only")
     p.add_argument("--latency", help="per-collective latency for modelled time (default 1ms, or the --link delay)")
@@ -76,7 +81,8 @@ def options_from_args(args):
     from .config import RunOptions, parse_time
     train = args.command == "train"
     return RunOptions(out_dir=args.out, link=args.link, latency_s=parse_time(args.latency) if args.latency else None,
-                      target=args.target, data=args.data, quiet=args.quiet, checkpoint=train,
+                      target=args.target, data=args.data, tokenizer=args.tokenizer, text_field=args.text_field,
+                      data_cache=args.data_cache, quiet=args.quiet, checkpoint=train,
                       checkpoint_every=args.checkpoint_every if train else 0,
                       peer_timeout=args.peer_timeout if train else None)
 
@@ -160,6 +166,11 @@ def torchrun_main(argv=None) -> None:
     from .launch import init_from_env
     from .optimizers import learning_rate
     from .worker import PeerFailure, train_worker
+    from .run import prepare
+    try:                                        # every rank: the cache is written atomically, read by all
+        cfg, opts = prepare(cfg, opts, announce=os.environ["RANK"] == "0")
+    except ValueError as err:
+        raise SystemExit(f"thinwire: error: {err}") from None
     lr = learning_rate(cfg, args.optimizer)
     _torchrun_check_checkpoint(args, cfg, lr)
     rank, world = init_from_env(opts.peer_timeout)

@@ -79,7 +79,17 @@ class RunOptions:
     """Target validation loss; None: the dense baseline's final one x 1.02."""
 
     data: str | None = None
-    """Text file, directory of text files or .bin of token ids; None: the stdlib's source."""
+    """Text file, directory of files, .jsonl/.json or .parquet file (records with a text field) or
+    .bin of token ids; None: the stdlib's source (train/data.py, train/corpus.py)."""
+
+    tokenizer: str | None = None
+    """A local tokenizer.json (or a directory holding one); None: byte-level tokens."""
+
+    text_field: str = "text"
+    """The field of JSONL / Parquet records that holds a document's text."""
+
+    data_cache: str | None = None
+    """Where tokenised corpora are cached; None: $THINWIRE_CACHE or ~/.cache/thinwire/corpora."""
 
     quiet: bool = False
     """No progress bars."""

@@ -83,6 +83,7 @@ def compare(cfg: TrainConfig, optimizers: list[str], options: RunOptions | None 
     from the latest complete one there (train/checkpoint.py)."""
     opts = replace(options or RunOptions(), **fields)
     workers = cfg.workers if opts.workers is None else opts.workers
+    cfg, opts = prepare(cfg, opts)
     check_run(cfg, optimizers, workers, opts.data)
     if opts.checkpoint_every and not opts.checkpoint:
         raise ValueError("--checkpoint-every belongs to `thinwire train` (one optimizer per run)")
@@ -108,6 +109,24 @@ def compare(cfg: TrainConfig, optimizers: list[str], options: RunOptions | None 
             logs[name] = read_log(path)
             logs[name]["lr"] = lr
     return report(cfg, logs, workers, out, latency_s, opts.target, link_info, opts.show)
+
+
+def prepare(cfg: TrainConfig, opts: RunOptions, announce: bool = True) -> tuple[TrainConfig, RunOptions]:
+    """The run as its workers see it, before any starts: the data tokenised once (cached;
+    `opts.data` becomes the cache), the vocabulary the tokenizer's or, for a config.json, the
+    model's; a transformers model checked (on the meta device) so a bad config or weights
+    directory is one error here, not one per worker."""
+    from .corpus import prepare_corpus
+    prep = prepare_corpus(opts.data, tokenizer=opts.tokenizer, text_field=opts.text_field,
+                          cache_dir=opts.data_cache, progress=announce and not opts.quiet)
+    if prep.vocab_size:
+        cfg = replace(cfg, vocab_size=prep.vocab_size)
+    if cfg.model != "gpt":
+        from .hf import FAMILIES, check_model
+        vocab = check_model(cfg)
+        if cfg.model not in FAMILIES:
+            cfg = replace(cfg, vocab_size=vocab)
+    return cfg, replace(opts, data=prep.path)
 
 
 def _check_checkpointing(cfg: TrainConfig, optimizers: list[str], workers: int, opts: RunOptions) -> None:
