@@ -25,7 +25,8 @@ torch.optim.Adam counts them; T_w: how many of those were warmup steps):
 Paper and DeepSpeed apply no bias correction; with bias_correction=True (default) the
 compressed phase with lossless C is exactly Adam with v frozen, so the switch at T_w makes
 no jump in step size; bias_correction=False gives the paper's m / (sqrt(v) + ε) in both
-phases. Coordinates with frozen v = 0 are not moved by m̄ (see mask_unseen).
+phases. Coordinates whose frozen sqrt(v̂) is below ε (v = 0 included) are not moved by m̄
+(see mask_unseen).
 
 The step envelope (`thinwire.optim.base`) carries the rest: the message prefix (header and
 presence bitmap) at the head of every phase-1 chunk, or as the warmup all-reduce's float
@@ -95,8 +96,8 @@ def frozen_denominator(v: torch.Tensor, t_v: int, beta2: float, eps: float, bias
     # D = sqrt(v / (1 − β2^T_w)) + ε
     denom = adam_denominator(v, bias_correction2, eps)
     if mask_unseen:
-        # D ← +∞ where v = 0 (no gradient there during warmup): m̄ / D = 0
-        denom.masked_fill_(v == 0, math.inf)
+        # D ← +∞ where sqrt(v̂) < ε (v = 0 included: no gradient above Adam's floor ε in warmup): m̄ / D = 0
+        denom.masked_fill_(v.sqrt() / math.sqrt(bias_correction2) < eps, math.inf)
     return denom
 
 
@@ -121,12 +122,16 @@ class APMSqueeze(CommunicatingOptimizer):
             sqrt(v̂) is far below their chunk's 1-bit scale and training diverges (ValueError).
         betas: (β1, β2) in [0, 1). eps: ε > 0. weight_decay: decoupled λ (AdamW style).
         bias_correction: Adam's 1 / (1 − β^t) factors (default True; False: the paper's equations).
-        mask_unseen: coordinates whose frozen v is exactly 0 (no rank ever had a gradient there
-            during warmup, e.g. embedding rows of tokens not yet seen) get no momentum update in
-            the compressed phase (default True). The 1-bit m̄ gives every coordinate a magnitude
-            of its chunk's scale, and m̄ / (0 + ε) would throw such parameters to ~lr·s/ε (they
-            blow up once the token appears). DeepSpeed leaves this to a user-given exp_avg_mask;
-            False gives the paper's update everywhere. Weight decay still applies there.
+        mask_unseen: coordinates whose frozen sqrt(v̂) is below ε get no momentum update in the
+            compressed phase (default True): v = 0 (no rank ever had a gradient there during
+            warmup, e.g. embedding rows of tokens not yet seen), and gradients that are zero in
+            exact arithmetic but not in floats (GPT-2's attention key bias: without rotary
+            embeddings it adds q·b to every key's score alike, which softmax ignores, so its
+            gradient is rounding, ~1e-12, and v̂ ~1e-24). The 1-bit m̄ gives every coordinate
+            a magnitude of its chunk's scale s, and m̄ / (sqrt(v̂) + ε) > s / 2ε would throw such
+            coordinates ~lr·s/ε per step, where Adam's own steps there were below ~lr·sqrt(v̂)/ε
+            < lr. DeepSpeed leaves this to a user-given exp_avg_mask; False gives the paper's
+            update everywhere. Weight decay still applies there.
         error_resume: what load_state_dict does with error buffers saved by another world size
             or rank: 'exact' (default) raises ValueError; 'reset' zeroes them with a warning.
         nonfinite: 'raise' (default) or 'skip' when any rank's gradients are not finite; in
