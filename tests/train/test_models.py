@@ -107,3 +107,10 @@ def test_a_missing_extra_names_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ValueError, match=r'needs transformers: pip install -c constraints.txt -e "\.\[hf\]"'):
         build_model(get_preset("tiny", model="llama"))
+
+
+def test_family_defaults_apply_unless_given():
+    assert get_preset("small", model="llama").topk == 44           # FAMILY_DEFAULTS: >= 100x fewer bytes
+    assert get_preset("small", model="llama", topk=58).topk == 58
+    assert get_preset("small").topk == get_preset("small", model="qwen2").topk == 58
+    assert get_preset("tiny", model="llama").topk == get_preset("tiny").topk

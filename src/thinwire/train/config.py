@@ -167,15 +167,26 @@ PRESETS = {
 }
 
 
+# A preset's fields that a transformers family changes (unless given): DeMo's top-k where the
+# preset's does not send >= 100x fewer bytes than fp32 AdamW. Llama's SwiGLU MLP (352 wide at
+# width 128: 64 x 44 chunks) and GQA k/v (32 x 64) hold fewer elements per chunk than GPT's
+# 64 x 64, so the same top-k per chunk is denser. small, llama, seed 0: top 58 gives 78.7x fewer
+# bytes at +0.005 % loss vs AdamW, top 44 102.8x at +1.43 %; qwen2 keeps 58: 100.6x at +2.98 %
+# (docs/results/2026-11-24-hf-models.md).
+FAMILY_DEFAULTS = {("small", "llama"): {"topk": 44}}
+
+
 def get_preset(name: str, **overrides) -> TrainConfig:
-    """The preset `name` with the non-None `overrides` applied; ValueError for unknown names."""
+    """The preset `name` with its family's defaults (FAMILY_DEFAULTS, for overrides["model"]) and
+    the non-None `overrides` applied; ValueError for unknown names."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
     valid = {f.name for f in fields(TrainConfig)}
     unknown = set(overrides) - valid
     if unknown:
         raise ValueError(f"unknown config fields: {sorted(unknown)}")
-    cfg = replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
+    family = FAMILY_DEFAULTS.get((name, overrides.get("model")), {})
+    cfg = replace(PRESETS[name], **{**family, **{k: v for k, v in overrides.items() if v is not None}})
     for key in ("workers", "n_layer", "n_embd", "n_head", "context", "rows", "steps", "eval_every", "eval_rows",
                 "topk", "chunk"):
         if getattr(cfg, key) < 1:
