@@ -114,3 +114,20 @@ def test_family_defaults_apply_unless_given():
     assert get_preset("small", model="llama", topk=58).topk == 58
     assert get_preset("small").topk == get_preset("small", model="qwen2").topk == 58
     assert get_preset("tiny", model="llama").topk == get_preset("tiny").topk
+
+
+def test_a_parameter_narrower_than_a_site_is_refused_before_any_worker(tmp_path):
+    """GQA with one k/v head of 2 dims: k_proj is [2, 32], fewer rows than 3 ranks per site.
+    HSDP AdamW shards it (FSDP2 pads); a thinwire optimizer on shards would find a rank with
+    none of it, so the run is refused up front, naming the parameter."""
+    from transformers import LlamaConfig
+
+    from thinwire.train.run import check_run
+    LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=16,
+                num_key_value_heads=1, max_position_embeddings=32).save_pretrained(tmp_path)
+    cfg = get_preset("tiny", model=str(tmp_path / "config.json"), sites=2, rows=12)
+    check_run(cfg, ["adamw"], 6, None)
+    with pytest.raises(ValueError, match=r"demo on FSDP2 shards: lm.model.layers.0.self_attn.k_proj.weight \[2, 32\] "
+                                         r"has fewer rows than the 3 ranks of a site"):
+        check_run(cfg, ["adamw", "demo"], 6, None)
+    check_run(cfg, ["adamw", "demo"], 4, None)                  # 2 ranks per site: one row each

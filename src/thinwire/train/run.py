@@ -50,14 +50,28 @@ def check_run(cfg: TrainConfig, optimizers: list[str], workers: int, data: str |
     if cfg.sites:
         check_sites(cfg.sites, workers)
         if workers > cfg.sites:                         # several ranks per site: FSDP2 shards
-            from .sites import why_not_on_shards
-            for name in optimizers:
-                reason = why_not_on_shards(get_optimizer(name))
-                if reason:
-                    raise ValueError(f"{reason}; under --sites {cfg.sites} with {workers // cfg.sites} ranks per "
-                                     f"site run it without --sites (or with --sites {workers})")
+            _check_shards(cfg, optimizers, workers)
     train, val = load_corpus(data, cfg.vocab_size)
     check_corpus(train, val, cfg.context)
+
+
+def _check_shards(cfg: TrainConfig, optimizers: list[str], workers: int) -> None:
+    """ValueError unless every optimizer can run on FSDP2 shards of cfg's model at workers/sites ranks per site."""
+    import torch
+    from .model import build_model
+    from .sites import narrow_parameter, why_not_on_shards
+    per_site = workers // cfg.sites
+    narrow = None
+    for name in optimizers:
+        reason = why_not_on_shards(get_optimizer(name))
+        if reason is None and get_optimizer(name).hsdp is None:
+            if narrow is None:
+                with torch.device("meta"):
+                    narrow = narrow_parameter(build_model(cfg), per_site) or ""
+            reason = narrow and f"{name} on FSDP2 shards: {narrow}"
+        if reason:
+            raise ValueError(f"{reason}; under --sites {cfg.sites} with {per_site} ranks per site run it without "
+                             f"--sites (or with --sites {workers}, or fewer ranks per site)")
 
 
 def _link_context(link: str | None, workers: int, sites: int = 0):

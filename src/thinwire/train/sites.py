@@ -79,6 +79,18 @@ def why_not_on_shards(spec) -> str | None:
     return spec.why_no_shards or f"{spec.name} cannot run on FSDP2 shards"
 
 
+def narrow_parameter(model: torch.nn.Module, ranks_per_site: int) -> str | None:
+    """Why `model` cannot be FSDP2-sharded over `ranks_per_site` ranks for a thinwire optimizer,
+    or None: a parameter with fewer rows than ranks (a GQA k/v projection of 1 head x 2 dims at
+    3 ranks per site) leaves some rank none of it, which the optimizers refuse
+    (optim/shards.check_sharding); checked on a meta-device model before any worker starts."""
+    for name, p in model.named_parameters():
+        if p.dim() and p.shape[0] < ranks_per_site:
+            return (f"{name} {list(p.shape)} has fewer rows than the {ranks_per_site} ranks of a site, so FSDP2 "
+                    f"would leave some rank none of it")
+    return None
+
+
 def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
     """FSDP2 on `mesh` (1-D: shard in the site; 2-D: HSDP), torchtitan style: each transformer
     block its own unit, then the root, which holds the tied embedding/head and the rest.
