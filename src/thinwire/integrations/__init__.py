@@ -1,0 +1,20 @@
+"""What a training framework needs to run a thinwire optimizer correctly, framework-agnostic:
+
+    from thinwire.integrations import keep_gradients_local, PerRankState
+    keep_gradients_local(ddp_model)        # DDP (wrapped by the framework) all-reduces nothing
+    state = PerRankState(optimizer)        # a checkpoint written by rank 0 holds every rank's state
+
+Frameworks (Hugging Face Trainer, Accelerate, Lightning) wrap the model in DDP, which
+all-reduces every gradient in backward, and save the optimizer's state from rank 0 only.
+A thinwire optimizer then sends its compressed message *and* the dense gradient, and a
+resumed run gives every rank rank 0's error feedback. `keep_gradients_local` and
+`PerRankState` remove both through the hooks frameworks already offer: a DDP communication
+hook, and an object with `state_dict` / `load_state_dict` that a framework checkpoints
+beside the model (Accelerate's `register_for_checkpointing`, a Lightning callback's state,
+a Trainer callback).
+"""
+
+from .ddp import keep_gradients_local, local_gradients_hook
+from .state import PerRankState
+
+__all__ = ["PerRankState", "keep_gradients_local", "local_gradients_hook"]

@@ -1,0 +1,70 @@
+"""Every rank's optimizer state in a checkpoint that one rank writes.
+
+    state = PerRankState(optimizer)
+    blob = state.state_dict()        # on every rank (a collective); each returns all ranks' states
+    state.load_state_dict(blob)      # on every rank: each loads its own, by rank
+
+Frameworks save the optimizer from rank 0 and load that one file on every rank. Dense
+optimizers are the same on every rank, so nothing is lost; a thinwire optimizer's error
+feedback, local momenta and diverged replicas differ per rank, and a resume would give every
+rank rank 0's (DeepSpeed 1-bit Adam's resume bug). `PerRankState` is the object a framework
+checkpoints beside the model: `state_dict()` all-gathers every rank's
+`optimizer.state_dict()` (tensors moved to the CPU, so the checkpoint does not depend on the
+device), `load_state_dict()` restores this rank's own. The all-gather goes through
+torch.distributed's default group outside the optimizer's communicator: checkpoint traffic,
+not training traffic, and not in `comm_stats`. Each rank holds all W states while saving.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+FORMAT = "thinwire-per-rank-optimizer-state"
+
+
+def _to_cpu(obj):
+    if torch.is_tensor(obj):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class PerRankState:
+    """A checkpointable view of `optimizer` that keeps every rank's state (module docstring)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"PerRankState takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict:
+        """{"format", "world", "ranks": [rank r's optimizer.state_dict() for r < world]}; a
+        collective: every rank calls it, every rank gets the whole."""
+        rank, world = _rank_and_world()
+        mine = _to_cpu(self.optimizer.state_dict())
+        ranks = [mine]
+        if world > 1:
+            ranks = [None] * world
+            dist.all_gather_object(ranks, mine)
+        return {"format": FORMAT, "world": world, "ranks": ranks}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Load this rank's own entry of `saved` (a `state_dict()` of a run at the same world
+        size) into the optimizer; ValueError for anything else, before the optimizer changes."""
+        rank, world = _rank_and_world()
+        if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+            raise ValueError("not a PerRankState checkpoint (no thinwire per-rank format marker)")
+        if saved["world"] != world or len(saved["ranks"]) != world:
+            raise ValueError(f"this checkpoint holds the optimizer state of {saved['world']} ranks, this run has "
+                             f"{world}: per-rank state (error feedback, local momenta) belongs to its rank")
+        self.optimizer.load_state_dict(saved["ranks"][rank])
