@@ -14,10 +14,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.dist import run_workers
-from thinwire import DeMo
+from thinwire import DeMo, DiLoCo
 from thinwire.integrations import PerRankState, keep_gradients_local
 
-STEPS, SAVE_AT = 8, 4
+STEPS, SAVE_AT = 9, 4          # DiLoCo syncs after steps 3, 6, 9: the run ends on a sync, the checkpoint falls between two
+OPTIMIZERS = {"demo": lambda ps: DeMo(ps, lr=1e-2, topk=4, chunk=8),
+              "diloco": lambda ps: DiLoCo(ps, inner=lambda q: torch.optim.AdamW(q, lr=1e-2), sync_every=3)}
 
 
 def _model() -> torch.nn.Module:
@@ -58,9 +60,10 @@ def _gradients_case(rank):
     return _grads(alone), _grads(local), _grads(plain)
 
 
-def _resume_case(rank, world, path):
+def _resume_case(rank, world, path, name):
+    make = OPTIMIZERS[name]
     ddp = keep_gradients_local(DistributedDataParallel(_model()))
-    opt = DeMo(ddp.parameters(), lr=1e-2, topk=4, chunk=8)
+    opt = make(ddp.parameters())
     _train(ddp, opt, rank, 0, SAVE_AT)
     blob = PerRankState(opt).state_dict()               # every rank calls it; rank 0 writes it
     framework_default = copy.deepcopy(opt.state_dict()) if rank == 0 else None
@@ -68,18 +71,20 @@ def _resume_case(rank, world, path):
         torch.save({"model": ddp.module.state_dict(), "per_rank": blob, "optimizer": framework_default}, path)
     dist.barrier()
     _train(ddp, opt, rank, SAVE_AT, STEPS)
+    opt.flush()
     saved = torch.load(path, weights_only=False)
     results = {}
     for how in ("per_rank", "optimizer"):               # ours, and rank 0's file on every rank
         fresh = DistributedDataParallel(_model()).module
         fresh.load_state_dict(saved["model"])
         fresh_ddp = keep_gradients_local(DistributedDataParallel(fresh))
-        fresh_opt = DeMo(fresh_ddp.parameters(), lr=1e-2, topk=4, chunk=8)
+        fresh_opt = make(fresh_ddp.parameters())
         if how == "per_rank":
             PerRankState(fresh_opt).load_state_dict(saved["per_rank"])
         else:
             fresh_opt.load_state_dict(saved["optimizer"])
         _train(fresh_ddp, fresh_opt, rank, SAVE_AT, STEPS)
+        fresh_opt.flush()
         results[how] = _flat(fresh_ddp.module)
     everyone = [None] * world
     dist.all_gather_object(everyone, _flat(ddp.module))
@@ -93,11 +98,14 @@ def _resume_case(rank, world, path):
             "states_differ": not _same_state(blob["ranks"][0], blob["ranks"][1])}
 
 
-def _same_state(a: dict, b: dict) -> bool:
-    for key in a["state"]:
-        for name, value in a["state"][key].items():
-            if torch.is_tensor(value) and not torch.equal(value, b["state"][key][name]):
-                return False
+def _same_state(a, b) -> bool:
+    """Whether two saved states hold equal tensors everywhere (nested dicts and lists)."""
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
     return True
 
 
@@ -110,13 +118,14 @@ def _buffers_case() -> str | None:
     return None
 
 
-def _worker(rank, world, path):
-    return {"gradients": _gradients_case(rank), "resume": _resume_case(rank, world, path), "buffers": _buffers_case()}
+def _worker(rank, world, root):
+    return {"gradients": _gradients_case(rank), "buffers": _buffers_case(),
+            **{name: _resume_case(rank, world, f"{root}/{name}.pt", name) for name in OPTIMIZERS}}
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return run_workers(_worker, 2, args=(str(tmp_path_factory.mktemp("per-rank") / "ckpt.pt"),))
+    return run_workers(_worker, 2, args=(str(tmp_path_factory.mktemp("per-rank")),))
 
 
 def test_keep_gradients_local_leaves_each_rank_its_own_gradient(ranks):
@@ -128,20 +137,24 @@ def test_keep_gradients_local_leaves_each_rank_its_own_gradient(ranks):
     assert not all(torch.equal(a, p) for a, p in zip(ranks[0]["gradients"][0], ranks[0]["gradients"][2]))
 
 
-def test_demo_through_ddp_keeps_replicas_bit_identical(ranks):
-    a, b = ranks[0]["resume"]["everyone"]
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_replicas_bit_identical_through_ddp(ranks, name):
+    a, b = ranks[0][name]["everyone"]          # DiLoCo: right after its last sync
     assert torch.equal(a, b)
 
 
-def test_per_rank_state_resumes_every_rank_bit_for_bit(ranks):
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_per_rank_state_resumes_every_rank_bit_for_bit(ranks, name):
+    """DeMo: each rank's momentum; DiLoCo, saved between syncs: each rank's inner state and its
+    own diverged parameters, copied back over rank 0's saved model."""
     for r in ranks:
-        assert torch.equal(r["resume"]["per_rank"], r["resume"]["whole"])
-    assert ranks[0]["resume"]["states_differ"]              # rank 1's state is its own, and it survived
-    assert not torch.equal(ranks[1]["resume"]["optimizer"], ranks[1]["resume"]["whole"])  # the default loses it
+        assert torch.equal(r[name]["per_rank"], r[name]["whole"])
+    assert ranks[0][name]["states_differ"]                 # rank 1's state is its own, and it survived
+    assert not torch.equal(ranks[1][name]["optimizer"], ranks[1][name]["whole"])  # the default loses it
 
 
 def test_per_rank_state_refuses_another_world_size(ranks):
-    assert "holds the optimizer state of 3 ranks, this run has 2" in ranks[0]["resume"]["refused"]
+    assert "holds the optimizer state of 3 ranks, this run has 2" in ranks[0]["demo"]["refused"]
 
 
 def test_a_ddp_that_broadcasts_buffers_every_forward_is_refused(ranks):

@@ -13,6 +13,11 @@ checkpoints beside the model: `state_dict()` all-gathers every rank's
 device), `load_state_dict()` restores this rank's own. The all-gather goes through
 torch.distributed's default group outside the optimizer's communicator: checkpoint traffic,
 not training traffic, and not in `comm_stats`. Each rank holds all W states while saving.
+
+LoRDO and DiLoCo (`PeriodicAveraging`): between synchronisations every rank's parameters
+differ too, and a framework saves one replica. For them (or with `params=True`) the state
+also holds each rank's own parameters, which `load_state_dict` copies back over the loaded
+model: load the model first, then this (frameworks load custom objects after the model).
 """
 
 from __future__ import annotations
@@ -42,16 +47,24 @@ def _rank_and_world() -> tuple[int, int]:
 class PerRankState:
     """A checkpointable view of `optimizer` that keeps every rank's state (module docstring)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer, params: bool | None = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"PerRankState takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        self.optimizer = optimizer
+        if params is None:
+            from ..optim.periodic import PeriodicAveraging
+            params = isinstance(optimizer, PeriodicAveraging)
+        self.optimizer, self.params = optimizer, bool(params)
+
+    def _own_params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def state_dict(self) -> dict:
         """{"format", "world", "ranks": [rank r's optimizer.state_dict() for r < world]}; a
         collective: every rank calls it, every rank gets the whole."""
         rank, world = _rank_and_world()
         mine = _to_cpu(self.optimizer.state_dict())
+        if self.params:
+            mine = {"optimizer": mine, "params": [_to_cpu(p) for p in self._own_params()]}
         ranks = [mine]
         if world > 1:
             ranks = [None] * world
@@ -67,4 +80,17 @@ class PerRankState:
         if saved["world"] != world or len(saved["ranks"]) != world:
             raise ValueError(f"this checkpoint holds the optimizer state of {saved['world']} ranks, this run has "
                              f"{world}: per-rank state (error feedback, local momenta) belongs to its rank")
-        self.optimizer.load_state_dict(saved["ranks"][rank])
+        own = saved["ranks"][rank]
+        if self.params != ("params" in own and "optimizer" in own):
+            raise ValueError(f"this checkpoint was saved {'with' if not self.params else 'without'} each rank's "
+                             f"parameters and this PerRankState is built {'with' if self.params else 'without'}")
+        if not self.params:
+            self.optimizer.load_state_dict(own)
+            return
+        params = self._own_params()
+        if [tuple(t.shape) for t in own["params"]] != [tuple(p.shape) for p in params]:
+            raise ValueError("the checkpoint's parameters do not have this optimizer's parameter shapes")
+        self.optimizer.load_state_dict(own["optimizer"])
+        with torch.no_grad():
+            for p, saved_p in zip(params, own["params"]):
+                p.copy_(saved_p)
