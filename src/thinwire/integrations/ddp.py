@@ -31,9 +31,11 @@ def keep_gradients_local(model: torch.nn.Module) -> torch.nn.Module:
     if not isinstance(model, DistributedDataParallel):
         raise ValueError(f"keep_gradients_local takes a DistributedDataParallel, got {type(model).__name__}: "
                          f"a model that no framework wrapped in DDP needs nothing")
-    if model.broadcast_buffers and any(True for _ in model.module.buffers()):
+    # newer torch keeps it as forward_sync_buffers (broadcast_buffers is its deprecated spelling)
+    syncs = getattr(model, "forward_sync_buffers", getattr(model, "broadcast_buffers", True))
+    if syncs and any(True for _ in model.module.buffers()):
         raise ValueError("this DDP broadcasts the model's buffers before every forward: build it with "
-                         "broadcast_buffers=False (Trainer: ddp_broadcast_buffers=False; Accelerate: "
+                         "broadcast_buffers=False or forward_sync_buffers=False (Trainer: ddp_broadcast_buffers=False; Accelerate: "
                          "DistributedDataParallelKwargs(broadcast_buffers=False); Lightning: "
                          "DDPStrategy(broadcast_buffers=False))")
     model.register_comm_hook(None, local_gradients_hook)
