@@ -2,7 +2,10 @@
 a DDP with `keep_gradients_local` leaves each rank its own gradient (a plain DDP averages
 them: the check can fail), DeMo trains through it with replicas bit-identical, and a
 `PerRankState` checkpoint written by rank 0 alone resumes every rank's own state bit for
-bit, where the framework default (rank 0's optimizer file on every rank) does not."""
+bit, where the framework default (rank 0's optimizer file on every rank) does not; a
+`CollectiveCounter` sees DDP's gradient all-reduce in backward (the bytes of every gradient,
+each step) and none under `keep_gradients_local`, and the optimizer's own bytes as its
+`comm_stats` counts them."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.dist import run_workers
 from thinwire import DeMo, DiLoCo
-from thinwire.integrations import PerRankState, keep_gradients_local
+from thinwire.integrations import CollectiveCounter, PerRankState, keep_gradients_local
 
 STEPS, SAVE_AT = 9, 4          # DiLoCo syncs after steps 3, 6, 9: the run ends on a sync, the checkpoint falls between two
 OPTIMIZERS = {"demo": lambda ps: DeMo(ps, lr=1e-2, topk=4, chunk=8),
@@ -118,8 +121,31 @@ def _buffers_case() -> str | None:
     return None
 
 
+def _wire_case(rank, steps=3):
+    out = {}
+    for how in ("plain", "local"):
+        counter = CollectiveCounter()
+        with counter:
+            ddp = DistributedDataParallel(_model(), broadcast_buffers=False)
+            if how == "local":
+                keep_gradients_local(ddp)
+            opt = DeMo(ddp.parameters(), lr=1e-2, topk=4, chunk=8)
+            counter.attribute(opt)
+            _train(ddp, opt, rank, 0, steps)
+            opt.flush()
+        out[how] = {"summary": counter.summary(), "payload": opt.comm_stats.payload_bytes,
+                    **{label: counter.bytes(label) for label in ("optimizer", "backward", "other")}}
+    with CollectiveCounter() as rules:
+        t = torch.ones(10)                                              # 40 bytes
+        dist.broadcast(t, src=0)
+        dist.all_gather_into_tensor(torch.empty(20), t)
+        dist.barrier()
+    out["rules"] = rules.summary()
+    return out
+
+
 def _worker(rank, world, root):
-    return {"gradients": _gradients_case(rank), "buffers": _buffers_case(),
+    return {"gradients": _gradients_case(rank), "buffers": _buffers_case(), "wire": _wire_case(rank),
             **{name: _resume_case(rank, world, f"{root}/{name}.pt", name) for name in OPTIMIZERS}}
 
 
@@ -161,10 +187,34 @@ def test_a_ddp_that_broadcasts_buffers_every_forward_is_refused(ranks):
     assert "broadcast_buffers=False" in ranks[0]["buffers"]
 
 
+def test_collective_counter_sees_ddp_gradients_in_backward_and_none_when_local(ranks):
+    grad_bytes = 4 * sum(p.numel() for p in _model().parameters())      # fp32 gradients, all of them
+    for rank, r in enumerate(ranks):
+        plain, local = r["wire"]["plain"], r["wire"]["local"]
+        assert plain["backward"] == 3 * grad_bytes                       # one all-reduce of every gradient per step
+        assert plain["summary"]["backward"]["allreduce_"]["calls"] == 3
+        assert local["backward"] == 0 and "backward" not in local["summary"]
+        for run in (plain, local):
+            assert run["optimizer"] == run["payload"] > 0                # two counts of the same bytes agree
+            assert run["summary"]["optimizer_steps"] == 3
+            startup = run["summary"]["other"]["broadcast_"]["largest"]   # DDP's start-up broadcast, from rank 0
+            assert startup == (grad_bytes if rank == 0 else 0)
+
+
+def test_collective_counter_counts_what_a_rank_sends(ranks):
+    for rank, r in enumerate(ranks):
+        other = r["wire"]["rules"]["other"]
+        assert other["broadcast_"]["bytes"] == (40 if rank == 0 else 0)  # only the source sends
+        assert other["_allgather_base_"]["bytes"] == 40                  # this rank's contribution
+        assert other["barrier"]["bytes"] == 0 and other["barrier"]["calls"] == 1
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="takes a torch.optim.Optimizer"):
         PerRankState(object())
     with pytest.raises(ValueError, match="takes a DistributedDataParallel"):
         keep_gradients_local(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="attribute takes a torch.optim.Optimizer"):
+        CollectiveCounter().attribute(object())
     with pytest.raises(ValueError, match="not a PerRankState checkpoint"):
         PerRankState(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)).load_state_dict({})

@@ -3,6 +3,7 @@
     from thinwire.integrations import keep_gradients_local, PerRankState
     keep_gradients_local(ddp_model)        # DDP (wrapped by the framework) all-reduces nothing
     state = PerRankState(optimizer)        # a checkpoint written by rank 0 holds every rank's state
+    with CollectiveCounter().attribute(optimizer) as wire: ...   # every collective, by who issued it
 
 Frameworks (Hugging Face Trainer, Accelerate, Lightning) wrap the model in DDP, which
 all-reduces every gradient in backward, and save the optimizer's state from rank 0 only.
@@ -16,5 +17,6 @@ a Trainer callback).
 
 from .ddp import keep_gradients_local, local_gradients_hook
 from .state import PerRankState
+from .wire import CollectiveCounter
 
-__all__ = ["PerRankState", "keep_gradients_local", "local_gradients_hook"]
+__all__ = ["CollectiveCounter", "PerRankState", "keep_gradients_local", "local_gradients_hook"]
