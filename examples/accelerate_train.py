@@ -4,19 +4,26 @@ in the checkpoint. Trains the harness's tiny GPT on the stdlib's source (nothing
     torchrun --nproc-per-node 2 examples/accelerate_train.py --optimizer demo --steps 20 --out runs/acc
     torchrun --nproc-per-node 2 examples/accelerate_train.py --steps 20 --save-at 10 --out runs/a   # checkpoint at 10
     torchrun --nproc-per-node 2 examples/accelerate_train.py --steps 20 --resume runs/a/step-10 --out runs/b
+    torchrun --nproc-per-node 2 examples/accelerate_train.py --count --out runs/c     # every collective, in wire-rank*.json
+    torchrun --nproc-per-node 2 examples/accelerate_train.py --plain-ddp --count --out runs/d   # Accelerate's defaults
 
 What thinwire needs from Accelerate, in four lines marked "thinwire:" below: DDP built with
 broadcast_buffers=False, its gradient all-reduce replaced by `keep_gradients_local`, the
 optimizer kept out of `accelerator.prepare` (Accelerate would save rank 0's state and load it
 on every rank), and `PerRankState` registered for checkpointing instead. Gradient
 accumulation: the micro-batches' gradients add up locally; `step()` runs once per
-`--accumulate` micro-batches, when `accelerator.sync_gradients` says so.
+`--accumulate` micro-batches, when `accelerator.sync_gradients` says so. `--plain-ddp` runs
+Accelerate's defaults instead (DDP all-reduces every gradient, the optimizer goes through
+`prepare`): the baseline whose dense bytes `--count` shows.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 from pathlib import Path
 
 import torch
@@ -26,7 +33,7 @@ from accelerate.utils import DistributedDataParallelKwargs
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire import APMSqueeze, DeMo, LoRDO
-from thinwire.integrations import PerRankState, keep_gradients_local
+from thinwire.integrations import CollectiveCounter, PerRankState, keep_gradients_local
 from thinwire.train.config import get_preset
 from thinwire.train.data import load_corpus, train_batch
 from thinwire.train.model import build_model
@@ -51,28 +58,43 @@ class Step:
         self.value = state["value"]
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--optimizer", default="demo", choices=list(OPTIMIZERS))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--accumulate", type=int, default=2, help="micro-batches per optimizer step")
     p.add_argument("--save-at", type=int, default=0, help="save_state after this optimizer step (0: never)")
-    p.add_argument("--stop-after-save", action="store_true", help="exit right after that checkpoint")
+    p.add_argument("--kill-after-save", action="store_true", help="every rank SIGKILLs itself after that checkpoint")
     p.add_argument("--resume", help="a save_state directory to resume from")
+    p.add_argument("--plain-ddp", action="store_true", help="Accelerate's defaults: the dense all-reduce stays")
+    p.add_argument("--count", action="store_true", help="count every collective (wire-rank<r>.json)")
     p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    ddp_kwargs = DistributedDataParallelKwargs(broadcast_buffers=False)        # thinwire: no buffer broadcast
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accumulate, kwargs_handlers=[ddp_kwargs])
-    rank, world = accelerator.process_index, accelerator.num_processes
-    cfg = get_preset("tiny")
-    model = accelerator.prepare(build_model(cfg))                  # thinwire: the model only, not the optimizer
-    if isinstance(model, DistributedDataParallel):
+
+def prepare(accelerator: Accelerator, args):
+    """(model, optimizer, scheduler, step counter), set up as thinwire needs (or, with
+    --plain-ddp, as Accelerate does by default)."""
+    model = accelerator.prepare(build_model(get_preset("tiny")))   # thinwire: the model only, not the optimizer
+    if isinstance(model, DistributedDataParallel) and not args.plain_ddp:
         keep_gradients_local(model)                                # thinwire: DDP all-reduces nothing
     opt = OPTIMIZERS[args.optimizer](list(model.parameters()))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
     step = Step()
-    accelerator.register_for_checkpointing(PerRankState(opt), sched, step)   # thinwire: every rank's state
+    if args.plain_ddp:
+        opt = accelerator.prepare(opt)                             # rank 0's state, loaded on every rank
+        accelerator.register_for_checkpointing(sched, step)
+    else:
+        accelerator.register_for_checkpointing(PerRankState(opt), sched, step)   # thinwire: every rank's state
+    return model, opt, sched, step
+
+
+def train(accelerator: Accelerator, args, counter: CollectiveCounter | None) -> None:
+    cfg, rank, world = get_preset("tiny"), accelerator.process_index, accelerator.num_processes
+    model, opt, sched, step = prepare(accelerator, args)
+    inner = getattr(opt, "optimizer", opt)                         # under --plain-ddp, Accelerate wraps it
+    if counter is not None:
+        counter.attribute(inner)
     if args.resume:
         accelerator.load_state(args.resume)
     train_ids, _ = load_corpus(None, cfg.vocab_size)
@@ -89,14 +111,25 @@ def main(argv=None) -> None:
         step.value += 1
         if step.value == args.save_at:
             accelerator.save_state(str(out / f"step-{step.value}"))
-            if args.stop_after_save:
-                return
-    opt.flush()
+            if args.kill_after_save:
+                accelerator.wait_for_everyone()                    # every rank's files are written
+                os.kill(os.getpid(), signal.SIGKILL)
+    inner.flush()
     out.mkdir(parents=True, exist_ok=True)
-    params = torch.cat([t.detach().reshape(-1) for t in model.parameters()])
-    torch.save(params, out / f"params-rank{rank}.pt")
-    if rank == 0:
-        (out / "comm.json").write_text(json.dumps(opt.comm_stats.state_dict()))
+    torch.save(torch.cat([t.detach().reshape(-1) for t in model.parameters()]), out / f"params-rank{rank}.pt")
+    if counter is not None:
+        wire = {"counter": counter.summary(), "comm_stats": inner.comm_stats.state_dict(),
+                "parameters": sum(t.numel() for t in model.parameters())}
+        (out / f"wire-rank{rank}.json").write_text(json.dumps(wire))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    ddp_kwargs = DistributedDataParallelKwargs(broadcast_buffers=False)        # thinwire: no buffer broadcast
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accumulate, kwargs_handlers=[ddp_kwargs])
+    counter = CollectiveCounter() if args.count else None
+    with counter if counter is not None else contextlib.nullcontext():
+        train(accelerator, args, counter)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,16 @@
 """examples/accelerate_train.py, the README's Accelerate recipe, under torchrun with 2 gloo
-processes: a run checkpointed by `accelerator.save_state` and stopped there, then resumed by
-`accelerator.load_state`, ends bit for bit where the uninterrupted run ends, on both ranks,
-with rank 1's own optimizer state (it differs from rank 0's) restored; replicas identical."""
+processes:
+- every collective counted (`CollectiveCounter`): none in backward, the optimizer's bytes as
+  its comm_stats counts them and, for LoRDO, as its wire format gives them by hand; the same
+  run under Accelerate's defaults (`--plain-ddp`) all-reduces every gradient every step, so
+  the 0 is not a counting mistake;
+- a run checkpointed by `accelerator.save_state` and SIGKILLed there, then resumed by
+  `accelerator.load_state`, ends bit for bit where the uninterrupted run ends, on both ranks,
+  with rank 1's own optimizer state (it differs from rank 0's) restored; replicas identical."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,42 +18,84 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.optim.registry import HANDSHAKE, dense_bytes
 from tests.train.shared import train_env
+from thinwire.train.config import get_preset
+from thinwire.train.model import build_model
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "accelerate_train.py"
 # LoRDO syncs every 4 steps: the checkpoint at 6 falls between syncs, the run ends on one
-RUNS = {"demo": ("8", "4"), "lordo": ("8", "6")}
+RUNS = {"demo": (8, 4), "lordo": (8, 6)}
 
 
 def _torchrun(optimizer: str, out: Path, *flags: str) -> subprocess.Popen:
-    steps, _ = RUNS[optimizer]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
-           "--optimizer", optimizer, "--steps", steps, "--out", str(out), *flags]
+           "--optimizer", optimizer, "--steps", str(RUNS[optimizer][0]), "--out", str(out), *flags]
     return subprocess.Popen(cmd, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _finish(*procs) -> None:
-    for p in procs:
-        text = p.communicate(timeout=240)[0]
-        assert p.returncode == 0, text[-3000:]
+def _finish(proc, ok: bool = True) -> str:
+    text = proc.communicate(timeout=240)[0]
+    assert (proc.returncode == 0) == ok, text[-3000:]
+    return text
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{optimizer: its run directories}, and the plain-DDP baseline: three launches at a time."""
+    root = tmp_path_factory.mktemp("accelerate")
+    dirs = {name: {k: root / f"{name}-{k}" for k in ("whole", "killed", "resumed")} for name in RUNS}
+    first = [(_torchrun(n, d["whole"], "--count", "--save-at", str(RUNS[n][1])), True) for n, d in dirs.items()]
+    first += [(_torchrun(n, d["killed"], "--save-at", str(RUNS[n][1]), "--kill-after-save"), False)
+              for n, d in dirs.items()]
+    for proc, ok in first:
+        _finish(proc, ok)
+    second = [_torchrun(n, d["resumed"], "--resume", str(d["killed"] / f"step-{RUNS[n][1]}")) for n, d in dirs.items()]
+    dirs["plain"] = root / "plain"
+    second.append(_torchrun("demo", dirs["plain"], "--plain-ddp", "--count"))
+    for proc in second:
+        _finish(proc)
+    return dirs
+
+
+def _wire(directory: Path, rank: int) -> dict:
+    return json.loads((directory / f"wire-rank{rank}.json").read_text())
 
 
 @pytest.mark.parametrize("optimizer", list(RUNS))
-def test_save_state_stop_load_state_ends_bit_identical(optimizer, tmp_path):
-    save_at = RUNS[optimizer][1]
-    whole, stopped, resumed = tmp_path / "whole", tmp_path / "stopped", tmp_path / "resumed"
-    _finish(_torchrun(optimizer, whole, "--save-at", save_at),
-            _torchrun(optimizer, stopped, "--save-at", save_at, "--stop-after-save"))
-    assert not list(stopped.glob("params-rank*.pt"))                  # it stopped at the checkpoint
-    _finish(_torchrun(optimizer, resumed, "--resume", str(stopped / f"step-{save_at}")))
+def test_killed_at_save_state_and_resumed_by_load_state_ends_bit_identical(runs, optimizer):
+    save_at, d = RUNS[optimizer][1], runs[optimizer]
+    assert not list(d["killed"].glob("params-rank*.pt"))               # it died at the checkpoint
     for rank in (0, 1):
-        a, b = (torch.load(d / f"params-rank{rank}.pt") for d in (whole, resumed))
+        a, b = (torch.load(d[k] / f"params-rank{rank}.pt") for k in ("whole", "resumed"))
         assert torch.equal(a, b), f"rank {rank} resumed elsewhere"
-    assert torch.equal(torch.load(whole / "params-rank0.pt"), torch.load(whole / "params-rank1.pt"))
-    saved = torch.load(stopped / f"step-{save_at}" / "custom_checkpoint_0.pkl", weights_only=False)
+    assert torch.equal(torch.load(d["whole"] / "params-rank0.pt"), torch.load(d["whole"] / "params-rank1.pt"))
+    saved = torch.load(d["killed"] / f"step-{save_at}" / "custom_checkpoint_0.pkl", weights_only=False)
     assert saved["world"] == 2
     first, second = saved["ranks"]
     assert _differs(first, second)                                    # rank 1's state is its own
+
+
+@pytest.mark.parametrize("optimizer", list(RUNS))
+def test_no_gradient_bytes_and_the_optimizer_sends_its_wire_format(runs, optimizer):
+    steps = RUNS[optimizer][0]
+    sizes = [p.numel() for p in build_model(get_preset("tiny")).parameters()]
+    for rank in (0, 1):
+        wire = _wire(runs[optimizer]["whole"], rank)
+        counted = wire["counter"]
+        assert "backward" not in counted                              # not one collective in backward
+        assert counted["optimizer_steps"] == steps                    # one step() per 2 micro-batches
+        optimizer_bytes = sum(op["bytes"] for op in counted["optimizer"].values())
+        assert optimizer_bytes == wire["comm_stats"]["totals"]["payload_bytes"]
+        if optimizer == "lordo":                                      # the handshake, 2 syncs of fp32 parameters
+            assert optimizer_bytes == HANDSHAKE + steps // 4 * dense_bytes(sizes, 4)
+
+
+def test_accelerate_defaults_send_every_gradient_every_step(runs):
+    steps, params = RUNS["demo"][0], sum(p.numel() for p in build_model(get_preset("tiny")).parameters())
+    for rank in (0, 1):
+        counted = _wire(runs["plain"], rank)["counter"]
+        assert sum(op["bytes"] for op in counted["backward"].values()) == steps * 4 * params
 
 
 def _differs(a, b) -> bool:
