@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from thinwire import APMSqueeze, DeMo
 from thinwire.integrations import CollectiveCounter
 from thinwire.integrations.lightning import ThinwireDDPStrategy
+from thinwire.optim.checkpoints import INFLIGHT_KEY
 from thinwire.train.config import get_preset
 from thinwire.train.data import load_corpus, train_batch
 from thinwire.train.model import build_model
@@ -49,6 +50,8 @@ from thinwire.train.model import build_model
 OPTIMIZERS = {
     "demo": lambda ps: DeMo(ps, lr=1e-3, topk=32, chunk=64),
     "apmsqueeze": lambda ps: APMSqueeze(ps, lr=1e-3, warmup_steps=5),
+    # each step's exchange applied by the next step(); the strategy's flush lands the last one
+    "demo-overlap": lambda ps: DeMo(ps, lr=1e-3, topk=32, chunk=64, overlap=True),
 }
 ACCUMULATE = 2
 
@@ -151,7 +154,8 @@ def main(argv=None) -> None:
     torch.save(flat, out / f"params-rank{rank}.pt")
     if counter is not None:
         wire = {"counter": counter.summary(), "comm_stats": opt.comm_stats.state_dict(),
-                "parameters": sum(t.numel() for t in module.model.parameters() if t.requires_grad)}
+                "parameters": sum(t.numel() for t in module.model.parameters() if t.requires_grad),
+                "in_flight_after_fit": INFLIGHT_KEY in opt.state_dict()}     # False: the final step landed
         (out / f"wire-rank{rank}.json").write_text(json.dumps(wire))
 
 

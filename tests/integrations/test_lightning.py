@@ -1,12 +1,14 @@
 """examples/lightning_train.py, the README's Lightning recipe (ThinwireDDPStrategy), under
-torchrun with 2 gloo processes, for DeMo and APMSqueeze:
+torchrun with 2 gloo processes, for DeMo (overlap=True: a step is in flight at every
+checkpoint and at the end of fitting) and APMSqueeze:
 - every collective counted: none in backward, the optimizer's bytes as its comm_stats counts
   them and, for APMSqueeze, as its wire format gives them by hand; one step() per 2
   micro-batches; the same run under plain `DDPStrategy()` all-reduces 4 bytes x every
   parameter every step in backward, so the 0 is not a counting mistake;
 - a run checkpointed by ModelCheckpoint at step 10 and SIGKILLed there, resumed through
   `trainer.fit(ckpt_path=...)`, ends bit for bit where the uninterrupted run ends, on both
-  ranks; the checkpoint holds rank 1's own optimizer state; replicas identical. Under plain
+  ranks; the checkpoint holds rank 1's own optimizer state (and DeMo's step in flight: not
+  flushed for it), fitting ends with nothing in flight (flushed); replicas identical. Under plain
   `DDPStrategy()` the same resume gives rank 1 rank 0's APMSqueeze state (refused by it)."""
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ pytest.importorskip("lightning")
 
 from tests.optim.registry import APM_WARMUP, HANDSHAKE, dense_bytes, onebit_bytes  # noqa: E402
 from tests.train.shared import train_env  # noqa: E402
+from thinwire.optim.checkpoints import INFLIGHT_KEY  # noqa: E402
 from thinwire.train.config import get_preset  # noqa: E402
 from thinwire.train.model import build_model  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_train.py"
 STEPS, SAVE_AT = 20, 10
-OPTIMIZERS = ("demo", "apmsqueeze")
+OPTIMIZERS = ("demo-overlap", "apmsqueeze")
 
 
 def _torchrun(optimizer: str, out: Path, *flags: str) -> subprocess.Popen:
@@ -83,6 +86,7 @@ def test_no_gradient_bytes_and_the_optimizer_sends_its_wire_format(runs, optimiz
         counted = wire["counter"]
         assert "backward" not in counted                              # not one collective in backward
         assert counted["optimizer_steps"] == STEPS                    # one step() per 2 micro-batches
+        assert not wire["in_flight_after_fit"]                        # the strategy flushed the last step
         assert _bytes(counted, "optimizer") == wire["comm_stats"]["totals"]["payload_bytes"]
         if optimizer == "apmsqueeze":    # handshake, dense fp32 warmup (+ trailer), then 1-bit phases
             sizes = _sizes()
@@ -110,6 +114,7 @@ def test_killed_at_checkpoint_and_resumed_by_fit_ends_bit_identical(runs, optimi
     assert len(saved) == 1 and saved[0]["world"] == 2
     first, second = saved[0]["ranks"]
     assert _differs(first, second)                                    # rank 1's state is its own
+    assert (INFLIGHT_KEY in first) == optimizer.endswith("overlap")   # a checkpoint observes, never flushes
 
 
 def test_plain_ddp_strategy_resumes_rank_1_with_rank_0s_state(runs):
