@@ -1,0 +1,150 @@
+"""examples/hf_trainer_train.py, the README's Trainer recipe, under torchrun with 2 gloo processes
+(`ThinwireTrainer`, thinwire/integrations/hf_trainer.py), for DeMo and LoRDO:
+- every collective counted (`CollectiveCounter`): none in backward, the optimizer's bytes as
+  its comm_stats counts them and, for LoRDO, as its wire format gives them by hand; one step()
+  per 2 accumulated micro-batches. A plain `Trainer` with the same arguments all-reduces every
+  gradient every step, so the 0 is not a counting mistake;
+- a run checkpointed by Trainer at step 10 and SIGKILLed there, then resumed through
+  `trainer.train(resume_from_checkpoint=...)` (a path for DeMo, True for LoRDO), ends bit for
+  bit where the uninterrupted run ends, on both ranks; each rank's own state is in the
+  checkpoint (rank 1's differs from the rank-0 optimizer.pt Trainer loads on every rank);
+  replicas identical at the end (LoRDO's 20 steps end on a sync);
+- a bad configuration (ddp_broadcast_buffers left on, Trainer's own optimizer) is refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.optim.registry import HANDSHAKE, dense_bytes
+from tests.train.shared import train_env
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer_train.py"
+STEPS, SAVE_AT, SYNC_EVERY = 20, 10, 4          # LoRDO: checkpoint between syncs 8 and 12, the end on one
+OPTIMIZERS = ("demo", "lordo")
+
+
+def _torchrun(optimizer: str, out: Path, *flags: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
+           "--optimizer", optimizer, "--steps", str(STEPS), "--out", str(out), *flags]
+    return subprocess.Popen(cmd, env=train_env(HF_HUB_OFFLINE="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc, ok: bool = True) -> str:
+    text = proc.communicate(timeout=300)[0]
+    assert (proc.returncode == 0) == ok, text[-3000:]
+    return text
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{optimizer: {"whole", "killed", "resumed"}: run directories, "plain": the baseline}: seven
+    launches, five then two at a time."""
+    root = tmp_path_factory.mktemp("hf_trainer")
+    dirs = {name: {k: root / f"{name}-{k}" for k in ("whole", "killed")} for name in OPTIMIZERS}
+    dirs["plain"] = root / "plain"
+    first = [(_torchrun(n, dirs[n]["whole"], "--count", "--save-at", str(SAVE_AT)), True) for n in OPTIMIZERS]
+    first += [(_torchrun(n, dirs[n]["killed"], "--save-at", str(SAVE_AT), "--kill-after-save"), False)
+              for n in OPTIMIZERS]
+    first.append((_torchrun("demo", dirs["plain"], "--plain-ddp", "--count"), True))
+    for proc, ok in first:
+        _finish(proc, ok)
+    for name in OPTIMIZERS:                                            # they died at the checkpoint
+        assert not list(dirs[name]["killed"].glob("params-rank*.pt"))
+    dirs["demo"]["resumed"] = root / "demo-resumed"                    # resume_from_checkpoint=<path>
+    dirs["lordo"]["resumed"] = dirs["lordo"]["killed"]                 # resume_from_checkpoint=True, in its own dir
+    second = [_torchrun("demo", dirs["demo"]["resumed"], "--save-at", str(SAVE_AT), "--resume",
+                        str(dirs["demo"]["killed"] / f"checkpoint-{SAVE_AT}")),
+              _torchrun("lordo", dirs["lordo"]["resumed"], "--save-at", str(SAVE_AT), "--resume", "last")]
+    for proc in second:
+        _finish(proc)
+    return dirs
+
+
+def _wire(directory: Path, rank: int) -> dict:
+    return json.loads((directory / f"wire-rank{rank}.json").read_text())
+
+
+def _params(directory: Path, rank: int) -> torch.Tensor:
+    return torch.load(directory / f"params-rank{rank}.pt")
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_killed_at_a_trainer_checkpoint_and_resumed_ends_bit_identical(runs, optimizer):
+    d = runs[optimizer]
+    for rank in (0, 1):
+        assert torch.equal(_params(d["whole"], rank), _params(d["resumed"], rank)), f"rank {rank} resumed elsewhere"
+    assert torch.equal(_params(d["whole"], 0), _params(d["whole"], 1))          # replicas identical at the end
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_the_checkpoint_holds_each_ranks_own_state(runs, optimizer):
+    checkpoint = runs[optimizer]["killed"] / f"checkpoint-{SAVE_AT}"
+    own = [torch.load(checkpoint / f"thinwire-rank{r}.pt", weights_only=True) for r in (0, 1)]
+    trainers = torch.load(checkpoint / "optimizer.pt", weights_only=True)      # what Trainer loads on every rank
+    assert not _differs(trainers["state"], own[0]["optimizer"]["state"])       # it is rank 0's
+    assert _differs(own[0]["optimizer"]["state"], own[1]["optimizer"]["state"])  # rank 1's is its own
+    if optimizer == "lordo":                                                   # between syncs: own replicas
+        assert _differs(own[0]["params"], own[1]["params"])
+    assert all((checkpoint / f"rng_state_{r}.pth").is_file() for r in (0, 1))  # Trainer's per-rank RNG
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_no_gradient_bytes_and_the_optimizer_sends_its_wire_format(runs, optimizer):
+    for rank in (0, 1):
+        wire = _wire(runs[optimizer]["whole"], rank)
+        counted = wire["counter"]
+        assert "backward" not in counted                                       # not one collective in backward
+        assert counted["optimizer_steps"] == STEPS                             # one step() per 2 micro-batches
+        optimizer_bytes = sum(op["bytes"] for op in counted["optimizer"].values())
+        assert optimizer_bytes == wire["comm_stats"]["totals"]["payload_bytes"]
+        if optimizer == "lordo":                                               # the handshake, 5 fp32 syncs
+            sizes = [p.numel() for p in _llama().parameters()]
+            assert optimizer_bytes == HANDSHAKE + STEPS // SYNC_EVERY * dense_bytes(sizes, 4)
+
+
+def test_a_plain_trainer_sends_every_gradient_every_step(runs):
+    params = sum(p.numel() for p in _llama().parameters())
+    for rank in (0, 1):
+        counted = _wire(runs["plain"], rank)["counter"]
+        assert sum(op["bytes"] for op in counted["backward"].values()) == STEPS * 4 * params
+
+
+def test_a_configuration_that_breaks_the_guarantees_is_refused(tmp_path):
+    from transformers import TrainingArguments
+
+    from thinwire import DeMo
+    from thinwire.integrations.hf_trainer import ThinwireTrainer
+    model = _llama()
+    base = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1)
+    cases = [(TrainingArguments(**base), DeMo(model.parameters(), lr=1e-3), "ddp_broadcast_buffers=False"),
+             (TrainingArguments(**base, ddp_broadcast_buffers=False), torch.optim.AdamW(model.parameters()),
+              "thinwire optimizer")]
+    for args, opt, message in cases:
+        with pytest.raises(ValueError, match=message):
+            ThinwireTrainer(model=model, args=args, optimizers=(opt, None))
+
+
+def _llama():
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        from hf_trainer_train import build_model
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
+    return build_model()
+
+
+def _differs(a, b) -> bool:
+    if torch.is_tensor(a):
+        return not torch.equal(a, b)
+    if isinstance(a, dict):
+        return any(_differs(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return any(_differs(x, y) for x, y in zip(a, b))
+    return False
