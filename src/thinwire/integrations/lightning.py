@@ -10,9 +10,10 @@ Under torchrun, Lightning reads the launcher's environment and does not spawn. W
 against `DDPStrategy` (it takes the same arguments):
 - DDP is built with `forward_sync_buffers=False` (older torch: `broadcast_buffers=False`)
   and `keep_gradients_local` registered on every device (DDPStrategy registers its
-  `ddp_comm_hook` on CUDA only): backward leaves each rank's own gradient, and the thinwire optimizer is the only thing that communicates. Every
-  optimizer must therefore be a thinwire optimizer (ValueError otherwise: a dense one would
-  step on unaveraged gradients and the replicas would drift apart).
+  `ddp_comm_hook` on CUDA only): backward leaves each rank's own gradient, and the thinwire
+  optimizer is the only thing that communicates. Every optimizer must therefore be a thinwire
+  optimizer (ValueError otherwise: a dense one would step on unaveraged gradients and the
+  replicas would drift apart).
 - `optimizer_state` (called on every rank by Lightning's `dump_checkpoint`) all-gathers every
   rank's state through `PerRankState`; rank 0 writes the file; `load_optimizer_state_dict`
   gives each rank its own (and, for LoRDO/DiLoCo, its own parameters, copied back after
@@ -23,7 +24,9 @@ Gradient accumulation (`accumulate_grad_batches`: Lightning's no_sync, then one 
 lr schedulers work as usual. `gradient_clip_val` clips each rank's *local* gradient (nothing
 is averaged before the optimizer). Not supported: FSDP/DeepSpeed/other strategies, manual
 optimization (untested), checkpoints at another world size. Depends on Lightning's internal
-order of checkpoint calls, checked for versions 2.4 <= v < 2.7 (RuntimeError outside).
+order of checkpoint calls (read in 2.6.6's source: `optimizer_state` on every rank, optimizers
+restored after the model) and on `DDPStrategy.configure_ddp`; the [lightning] extra's range,
+2.4 <= v < 2.7, is enforced (RuntimeError outside).
 """
 
 from __future__ import annotations
