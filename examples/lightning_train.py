@@ -67,15 +67,6 @@ class MicroBatches(IterableDataset):
             yield train_batch(self.ids, self.cfg, micro, self.rank, self.world)
 
 
-class Counter(CollectiveCounter):
-    """A collective issued while autograd runs a backward pass is the backward's, even inside
-    step(): Lightning runs forward and backward in the closure it hands to step(closure), and
-    CollectiveCounter would label DDP's all-reduce there "optimizer"."""
-
-    def _label(self) -> str:
-        return "backward" if torch._C._current_graph_task_id() != -1 else super()._label()
-
-
 class TinyGPT(L.LightningModule):
     def __init__(self, optimizer: str, counter: CollectiveCounter | None = None):
         super().__init__()
@@ -138,7 +129,7 @@ def main(argv=None) -> None:
     # an endless loader has no epoch end to checkpoint at; the one worker is the training thread
     warnings.filterwarnings("ignore", ".*(does not have many workers|IterableDataset).*")
     out = Path(args.out)
-    counter = Counter() if args.count else None
+    counter = CollectiveCounter() if args.count else None
     module = TinyGPT(args.optimizer, counter)
     strategy = DDPStrategy() if args.plain_ddp else ThinwireDDPStrategy()     # thinwire: the one change
     callbacks = [Checkpoint(out, args.save_at, args.save_at if args.kill_after_save else 0)] if args.save_at else []

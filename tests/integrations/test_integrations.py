@@ -135,6 +135,13 @@ def _wire_case(rank, steps=3):
             opt.flush()
         out[how] = {"summary": counter.summary(), "payload": opt.comm_stats.payload_bytes,
                     **{label: counter.bytes(label) for label in ("optimizer", "backward", "other")}}
+    counter = CollectiveCounter()                   # step(closure) runs backward: Lightning's way
+    with counter:
+        ddp = DistributedDataParallel(_model(), broadcast_buffers=False)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        counter.attribute(opt)
+        opt.step(lambda: _loss(ddp, rank, 0).backward())
+    out["closure"] = counter.summary()
     with CollectiveCounter() as rules:
         t = torch.ones(10)                                              # 40 bytes
         dist.broadcast(t, src=0)
@@ -199,6 +206,14 @@ def test_collective_counter_sees_ddp_gradients_in_backward_and_none_when_local(r
             assert run["summary"]["optimizer_steps"] == 3
             startup = run["summary"]["other"]["broadcast_"]["largest"]   # DDP's start-up broadcast, from rank 0
             assert startup == (grad_bytes if rank == 0 else 0)
+
+
+def test_a_backward_inside_step_closure_is_counted_as_backward(ranks):
+    grad_bytes = 4 * sum(p.numel() for p in _model().parameters())
+    for r in ranks:
+        closure = r["wire"]["closure"]
+        assert closure["backward"]["allreduce_"]["bytes"] == grad_bytes and "optimizer" not in closure
+        assert closure["optimizer_steps"] == 1
 
 
 def test_collective_counter_counts_what_a_rank_sends(ranks):

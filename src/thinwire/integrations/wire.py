@@ -11,8 +11,9 @@ Every torch.distributed collective reaches the dispatcher as a `c10d::` operator
 Python issued it (`dist.all_reduce`, `all_gather_object`) or C++ did (DDP's reducer in
 backward, its start-up broadcast). `CollectiveCounter` is a `TorchDispatchMode` that tallies
 each one by label and operator:
-- "optimizer": issued inside `step()` or `flush()` of an attributed optimizer;
-- "backward": issued while autograd runs a backward pass (DDP's gradient all-reduce);
+- "backward": issued while autograd runs a backward pass (DDP's gradient all-reduce), even
+  inside a closure that `step(closure)` runs;
+- "optimizer": otherwise, issued inside `step()` or `flush()` of an attributed optimizer;
 - "other": everything else (start-up broadcasts, logging, checkpoint gathers, barriers).
 
 Bytes are what this rank hands to the collective, the convention of `CommStats.payload_bytes`:
@@ -102,9 +103,10 @@ class CollectiveCounter(TorchDispatchMode):
         return wrapper
 
     def _label(self) -> str:
-        if self._inside_optimizer:
-            return "optimizer"
-        return "backward" if torch._C._current_graph_task_id() != -1 else "other"
+        # backward first: Lightning runs forward and backward in the closure it passes to step()
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        return "optimizer" if self._inside_optimizer else "other"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
