@@ -39,7 +39,7 @@ from thinwire.integrations.hf_trainer import ThinwireTrainer
 from thinwire.train.data import load_corpus
 
 OPTIMIZERS = {
-    "demo": lambda ps: DeMo(ps, lr=1e-3, topk=32, chunk=64),
+    "demo": lambda ps: DeMo(ps, lr=1e-3, topk=32, chunk=64, overlap=True),   # a step in flight at every save
     "lordo": lambda ps: LoRDO(ps, lr=5e-3, rank=8, sync_every=4),     # 20 steps end on a sync
 }
 VOCAB, CONTEXT, WINDOWS = 256, 32, 1024
@@ -109,7 +109,7 @@ def main(argv=None) -> None:
     opt = OPTIMIZERS[args.optimizer](list(model.parameters()))   # thinwire: after it (its peers are the world)
     trainer_class = Trainer if args.plain_ddp else ThinwireTrainer   # thinwire: ThinwireTrainer
     trainer = trainer_class(model=model, args=targs, train_dataset=Windows(load_corpus(None)[0]),
-                            optimizers=(opt, None))               # thinwire: the optimizer, TrainingArguments' scheduler
+                            optimizers=(opt, None))               # thinwire: the optimizer; the scheduler from targs
     if args.kill_after_save:
         trainer.add_callback(KillAfterSave(args.save_at))         # after ThinwireCallback: its files are written
     counter = CollectiveCounter().attribute(opt) if args.count else None

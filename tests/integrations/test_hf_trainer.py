@@ -8,7 +8,8 @@
   `trainer.train(resume_from_checkpoint=...)` (a path for DeMo, True for LoRDO), ends bit for
   bit where the uninterrupted run ends, on both ranks; each rank's own state is in the
   checkpoint (rank 1's differs from the rank-0 optimizer.pt Trainer loads on every rank);
-  replicas identical at the end (LoRDO's 20 steps end on a sync);
+  replicas identical at the end (LoRDO's 20 steps end on a sync); DeMo runs with overlap=True:
+  its step in flight is saved (not flushed) and resumed, and lands at the end of training;
 - a bad configuration (ddp_broadcast_buffers left on, Trainer's own optimizer) is refused."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from tests.optim.registry import HANDSHAKE, dense_bytes
 from tests.train.shared import train_env
+from thinwire.optim.checkpoints import INFLIGHT_KEY
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer_train.py"
 STEPS, SAVE_AT, SYNC_EVERY = 20, 10, 4          # LoRDO: checkpoint between syncs 8 and 12, the end on one
@@ -92,7 +94,19 @@ def test_the_checkpoint_holds_each_ranks_own_state(runs, optimizer):
     assert _differs(own[0]["optimizer"]["state"], own[1]["optimizer"]["state"])  # rank 1's is its own
     if optimizer == "lordo":                                                   # between syncs: own replicas
         assert _differs(own[0]["params"], own[1]["params"])
+    else:                                                                      # overlap: saved in flight, not flushed
+        assert all(INFLIGHT_KEY in state["optimizer"] for state in own)
     assert all((checkpoint / f"rng_state_{r}.pth").is_file() for r in (0, 1))  # Trainer's per-rank RNG
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_training_ends_with_the_step_in_flight_landed(runs, optimizer):
+    """checkpoint-20 is written before on_train_end: DeMo (overlap=True) still has step 20 in
+    flight there, which the flush lands in the final model; LoRDO has none in flight."""
+    from safetensors.torch import load_file
+    saved = load_file(runs[optimizer]["whole"] / f"checkpoint-{STEPS}" / "model.safetensors")
+    at_checkpoint = torch.cat([saved[name].reshape(-1) for name, _ in _llama().named_parameters()])
+    assert torch.equal(at_checkpoint, _params(runs[optimizer]["whole"], 0)) == (optimizer == "lordo")
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
@@ -131,13 +145,36 @@ def test_a_configuration_that_breaks_the_guarantees_is_refused(tmp_path):
             ThinwireTrainer(model=model, args=args, optimizers=(opt, None))
 
 
-def _llama():
+def _example():
     sys.path.insert(0, str(EXAMPLE.parent))
     try:
-        from hf_trainer_train import build_model
+        import hf_trainer_train
     finally:
         sys.path.remove(str(EXAMPLE.parent))
-    return build_model()
+    return hf_trainer_train
+
+
+def test_a_resume_without_this_ranks_state_is_refused(tmp_path):
+    """One process (no DDP): a checkpoint whose thinwire-rank0.pt is gone cannot be resumed
+    with rank 0's Trainer optimizer.pt standing in for it."""
+    from transformers import TrainingArguments
+
+    from thinwire import DeMo
+    from thinwire.integrations.hf_trainer import ThinwireTrainer
+    example, model = _example(), _llama()
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=2, save_steps=1,
+                             ddp_broadcast_buffers=False, disable_tqdm=True)
+    data = example.Windows(torch.arange(8192) % example.VOCAB)
+    build = lambda: ThinwireTrainer(model=model, args=args, train_dataset=data,
+                                    optimizers=(DeMo(model.parameters(), lr=1e-3, topk=8, chunk=64), None))
+    build().train()
+    (tmp_path / "checkpoint-1" / "thinwire-rank0.pt").unlink()
+    with pytest.raises(ValueError, match="has no thinwire-rank0.pt"):
+        build().train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+
+
+def _llama():
+    return _example().build_model()
 
 
 def _differs(a, b) -> bool:

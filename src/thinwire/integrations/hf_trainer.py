@@ -25,11 +25,14 @@ adds a callback (`ThinwireCallback`, usable on its own with a reference to the t
 The scheduler is TrainingArguments' (`optimizers=(opt, None)`); gradient accumulation
 accumulates locally (one step() per optimizer step); `max_grad_norm` clips each rank's *local*
 gradient. With `ddp_find_unused_parameters` True (Trainer's default for a PreTrainedModel)
-DDP still all-reduces a 4-byte-per-tensor used map in backward: set it False.
-Not supported (ValueError): an optimizer built before TrainingArguments (it would train alone), DeepSpeed, FSDP, load_best_model_at_end (it loads rank 0's
-model on every rank), ddp_broadcast_buffers not False. Nor hyperparameter search (its
-checkpoints live elsewhere). Relies on the order of Trainer's private training loop (above),
-checked against TESTED (5.24.0 tested).
+DDP still all-reduces its used-parameter map in backward (4 bytes per parameter tensor, no
+gradient): set it False unless the model has parameters some forward leaves unused.
+Not supported (ValueError): an optimizer built before TrainingArguments (which initialises
+torch.distributed; it would train alone), DeepSpeed, FSDP, load_best_model_at_end (it loads
+rank 0's model on every rank), ddp_broadcast_buffers not False, a resume that bypasses
+`ThinwireTrainer.train` or changes the world size. Nor hyperparameter search (its
+checkpoints live elsewhere). Relies on the order of Trainer's private training loop
+(above), tested on transformers 5.24.0; other versions outside TESTED are refused.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from ..optim.periodic import PeriodicAveraging
 from .ddp import keep_gradients_local
 from .state import _to_cpu
 
-TESTED = ("5.0", "6.0")          # [low, high): the callback order above holds across 5.x
+TESTED = ("5.0", "6.0")          # [low, high), refused outside; 5.24.0 is the version tested
 FORMAT = "thinwire-hf-trainer-rank-state"
 
 
@@ -100,6 +103,9 @@ class ThinwireCallback(TrainerCallback):
             self._hooked = keep_gradients_local(wrapped)   # a second train() may reuse the hooked DDP
         if self.resume_from is not None:
             self._load(self.resume_from, args.process_index, args.world_size)
+        elif state.global_step > 0:                              # Trainer resumed, nobody told us from where
+            raise ValueError("Trainer resumed from a checkpoint but ThinwireCallback.resume_from is unset: every "
+                             "rank would keep rank 0's optimizer state; use ThinwireTrainer.train(resume_from_checkpoint)")
 
     def _load(self, checkpoint: str, rank: int, world: int) -> None:
         path = rank_file(checkpoint, rank)
