@@ -104,8 +104,8 @@ class ThinwireCallback(TrainerCallback):
         if self.resume_from is not None:
             self._load(self.resume_from, args.process_index, args.world_size)
         elif state.global_step > 0:                              # Trainer resumed, nobody told us from where
-            raise ValueError("Trainer resumed from a checkpoint but ThinwireCallback.resume_from is unset: every "
-                             "rank would keep rank 0's optimizer state; use ThinwireTrainer.train(resume_from_checkpoint)")
+            raise ValueError("Trainer resumed from a checkpoint but ThinwireCallback.resume_from is unset: "
+                             "every rank would keep rank 0's optimizer state; resume through ThinwireTrainer.train")
 
     def _load(self, checkpoint: str, rank: int, world: int) -> None:
         path = rank_file(checkpoint, rank)
