@@ -233,3 +233,14 @@ def test_bad_arguments():
         CollectiveCounter().attribute(object())
     with pytest.raises(ValueError, match="not a PerRankState checkpoint"):
         PerRankState(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)).load_state_dict({})
+
+
+def test_the_core_imports_no_framework_and_each_framework_loads_on_first_use():
+    import subprocess
+    import sys
+    code = ("import sys, thinwire, thinwire.integrations as ti\n"
+            "assert not {'transformers', 'lightning', 'accelerate'} & set(sys.modules), 'a framework was imported'\n"
+            "assert ti.ThinwireDDPStrategy.__module__ == 'thinwire.integrations.lightning'\n"
+            "assert ti.ThinwireTrainer.__module__ == 'thinwire.integrations.hf_trainer'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -5,6 +5,12 @@
     state = PerRankState(optimizer)        # a checkpoint written by rank 0 holds every rank's state
     with CollectiveCounter().attribute(optimizer) as wire: ...   # every collective, by who issued it
 
+Per framework, each importing only its own optional extra (loaded on first use):
+
+    from thinwire.integrations import ThinwireTrainer        # transformers.Trainer   [hf]
+    from thinwire.integrations import ThinwireDDPStrategy    # lightning.pytorch      [lightning]
+    (Accelerate needs only the pieces above: examples/accelerate_train.py)
+
 Frameworks (Hugging Face Trainer, Accelerate, Lightning) wrap the model in DDP, which
 all-reduces every gradient in backward, and save the optimizer's state from rank 0 only.
 A thinwire optimizer then sends its compressed message *and* the dense gradient, and a
@@ -19,4 +25,16 @@ from .ddp import keep_gradients_local, local_gradients_hook
 from .state import PerRankState
 from .wire import CollectiveCounter
 
-__all__ = ["CollectiveCounter", "PerRankState", "keep_gradients_local", "local_gradients_hook"]
+# name -> the module that defines it; imported on first access, so `import thinwire.integrations`
+# needs neither transformers nor lightning
+_FRAMEWORKS = {"ThinwireTrainer": "hf_trainer", "ThinwireCallback": "hf_trainer",
+               "ThinwireDDPStrategy": "lightning", "check_lightning_version": "lightning"}
+
+__all__ = ["CollectiveCounter", "PerRankState", "keep_gradients_local", "local_gradients_hook", *_FRAMEWORKS]
+
+
+def __getattr__(name: str):
+    if name in _FRAMEWORKS:
+        import importlib
+        return getattr(importlib.import_module(f".{_FRAMEWORKS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
