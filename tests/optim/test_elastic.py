@@ -53,6 +53,8 @@ CASES = {
                                                    overlap=True), 8,
                        True),
     "dense": (lambda ps: thinwire.DenseAllReduce(_adamw(ps)), 7, False),
+    "dense-overlap": (lambda ps: thinwire.DenseAllReduce(_adamw(ps), overlap=True), 7, False),
+    "apm-warmup-overlap": (lambda ps: thinwire.APMSqueeze(ps, lr=1e-2, warmup_steps=1000, overlap=True), 7, False),
     "apm-overlap": (lambda ps: thinwire.APMSqueeze(ps, lr=1e-2, warmup_steps=5, overlap=True), 7, False),
     "demo-lookahead": (lambda ps: thinwire.DeMo(ps, **DEMO, overlap=True, lookahead="momentum"), 7, False),
 }
@@ -176,7 +178,13 @@ def _check_state(name: str, olds: list[dict], new: dict, j: int) -> None:
     """New rank j's remapped state against the policy, from the old ranks' states."""
     first, new_world = olds[0], len(HAND[(len(olds), 2 if len(olds) == 4 else 3)])
     a_row = HAND[(len(olds), new_world)][j]
-    assert new[STEP_KEY] == first[STEP_KEY] and INFLIGHT_KEY not in new
+    assert new[STEP_KEY] == first[STEP_KEY]
+    summed = name in ("dense-overlap", "apm-warmup-overlap")
+    assert (INFLIGHT_KEY in new) == (summed and INFLIGHT_KEY in first)
+    if INFLIGHT_KEY in new:                          # the all-reduced sum, W'/W of it: the same mean over W'
+        total = first[INFLIGHT_KEY]["message"][0]
+        _eq(new[INFLIGHT_KEY]["message"][0], (total.double() * new_world / len(olds)).to(total.dtype))
+        assert new[INFLIGHT_KEY]["step"] == first[INFLIGHT_KEY]["step"]
     if name in ("demo", "demo-overlap"):
         folded = [_demo_folded(o) for o in olds]
         for pid in first["state"]:
@@ -191,7 +199,7 @@ def _check_state(name: str, olds: list[dict], new: dict, j: int) -> None:
         for pid, s in first["state"].items():
             for key, value in s.items():
                 _kept(new["state"][pid][key], value)
-        if name == "apm-warmup":
+        if name.startswith("apm-warmup"):
             assert here["worker_error"] is None and here["server_error"] is None
             return
         worker = here["worker_error"]
@@ -226,7 +234,7 @@ def _check_state(name: str, olds: list[dict], new: dict, j: int) -> None:
                     _kept(mapped[pid][key], s[key])
         for s, n in zip(first.get("outer", []), new.get("outer", [])):
             _eq(n["anchor"], s["anchor"])
-    elif name == "dense":
+    elif name.startswith("dense"):
         for pid, s in first["optimizers"][0]["state"].items():
             for key, value in s.items():
                 _eq(new["optimizers"][0]["state"][pid][key], value)

@@ -39,9 +39,13 @@ the new momentum M_j⁺ but not G_j (the server never got R_j, so G = mean G_j s
 R_j is sent again from M_j⁺ − G_j); LoRDO / DiLoCo drop the sync (anchor, outer momentum and
 sync error unchanged, Δ_i still in the replica: the next sync carries it). In all three the
 step count stays at the last step landed, so the next step() takes the folded step's number.
-Refused (flush() before the checkpoint): APMSqueeze and DenseAllReduce, whose message is the
-gradient or momentum itself with no local state to return it to, and a lookahead (the model
-holds moved parameters).
+DenseAllReduce and APMSqueeze's warmup checkpoint the all-reduced sum of the W gradients
+(the same on every rank): it stays in flight, scaled by W'/W, so the new ranks' mean (sum / W')
+is the old one and the trailer's counts (lockstep slot W → W', presence > 0) stay valid; the
+step lands on the new world as it would have on the old. Refused (flush() before the
+checkpoint): APMSqueeze's compressed phase, whose message m_i = β1 m̄ + (1 − β1) g_i has no
+local state to return to and whose start already moved the worker error, and a lookahead
+(the model holds moved parameters).
 
 Refused, with ValueError naming what differs: another optimizer class, other param groups
 or hyperparameters (lr and initial_lr excepted: schedulers move them), other parameter
@@ -152,6 +156,7 @@ def remap(optimizer: CommunicatingOptimizer, states: list[dict], rank: int) -> d
     kinds = _check_call(optimizer, states, rank)
     new = optimizer.comm.world_size
     row = mixing_weights(len(states), new)[rank]
+    carried = _rescaled_sum(optimizer, states, new)
     states = [_fold_in_flight(optimizer, s, i) for i, s in enumerate(states)]
     if isinstance(optimizer, DiLoCo):
         out = {"inner": _torch_state(optimizer.inner, [s["inner"] for s in states], row, {"*": PER_RANK}, False,
@@ -170,6 +175,8 @@ def remap(optimizer: CommunicatingOptimizer, states: list[dict], rank: int) -> d
         if isinstance(optimizer, APMSqueeze):
             out[ERRORS_KEY] = _apmsqueeze_errors(optimizer, states, row, rank)
     out.update(_envelope(states, row))
+    if carried is not None:
+        out[INFLIGHT_KEY] = carried
     return out
 
 
@@ -336,8 +343,8 @@ def _fold_in_flight(optimizer, state: dict, i: int) -> dict:
     if record["exact"] is not None:
         raise ValueError(f"{refuse} under a lookahead: the model holds moved parameters; flush() before the "
                          "checkpoint to resume it on another world size")
-    if isinstance(optimizer, PeriodicAveraging):
-        return state                                 # the sync not made: Δ_i stays in the replica
+    if isinstance(optimizer, PeriodicAveraging) or _sums(optimizer, record["step"]):
+        return state                 # the sync not made: Δ_i stays in the replica; a sum: `_rescaled_sum`
     if not isinstance(optimizer, (DeMo, EF21Muon)):
         raise ValueError(f"{refuse}: {type(optimizer).__name__}'s message has no local state to return to; "
                          "flush() before the checkpoint to resume it on another world size")
@@ -357,3 +364,27 @@ def _fold_in_flight(optimizer, state: dict, i: int) -> dict:
             optimizer._subtract_sent(record["step"], group, p, comp, m, own, group["alpha"], scratch)
             per_param[pid]["momentum"] = m
     return {**state, "state": per_param}
+
+
+def _sums(optimizer, step: int) -> bool:
+    """Whether the exchange of `step` is a sum all-reduce (ReduceAll) that is not a sync."""
+    return isinstance(optimizer, DenseAllReduce) or (isinstance(optimizer, APMSqueeze)
+                                                     and step <= optimizer.warmup_steps)
+
+
+def _rescaled_sum(optimizer, states: list[dict], new: int) -> dict | None:
+    """A summed step in flight, the same on every old rank, kept in flight for W' ranks."""
+    records = [s.get(INFLIGHT_KEY) for s in states]
+    if records[0] is None or not _sums(optimizer, records[0]["step"]):
+        return None
+    if any(r is None for r in records):
+        raise ValueError(f"old ranks {[i for i, r in enumerate(records) if r is None]} have no step in flight, "
+                         "rank 0 has one: were these state_dicts saved at one step?")
+    for what in ("step", "message", "hyper", "algorithm"):
+        replicated([r[what] for r in records], f"the step in flight's {what}")
+    absent = {k: v for k, v in records[0]["absent"].items()          # no gradient on any rank: the same snapshot
+              if all(k in r["absent"] for r in records)}
+    total = records[0]["message"][0]
+    # Σ' = Σ · W'/W: the same mean Σ'/W' = Σ/W, and every rank counted in the trailer W'/W times
+    scaled = (total.double() * new / len(states)).to(total.dtype)
+    return {**records[0], "message": [scaled], "absent": absent, "exact": None}
