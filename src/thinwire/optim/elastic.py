@@ -19,6 +19,8 @@ over ranks (no unsent momentum is lost or duplicated in total); EF21's invariant
 estimate G = mean_j G_j" survives; LoRDO / DiLoCo's sync reads mean_i (θ_i − θ₀), so
 averaging replicas is what the next sync would do. W' = W is the identity, W → W/2 averages
 neighbours (contiguous ranks: a site's), W → 2W copies each rank's state to two ranks.
+Model parameters are no optimizer state: where replicas drift (LoRDO, DiLoCo between syncs)
+the caller mixes each rank's own the same way, `mix(values, mixing_weights(W, W')[rank], name)`.
 
 Other kinds of state: replicated state (the same on every rank: Adam moments under a mean
 gradient, anchors, outer momenta, LoRDO's basis, param groups) must be equal on all old
@@ -32,8 +34,8 @@ counters must agree. Byte counters are per-rank history: mixed by the same rule 
 so the mean bytes per rank carry on. An integer per-rank value (LoRDO's local step count) is
 mixed and rounded; it differs between ranks only after a skipped local step.
 
-A step in flight (`overlap=True`, `InFlight` in checkpoints.py) belongs to the old exchange
-and is folded back so nothing is lost: DeMo's sent part returns to the momentum (M ← M +
+A step in flight (`overlap=True`, `InFlight` in checkpoints.py; elastic_flight.py) belongs
+to the old exchange and is folded back so nothing is lost: DeMo's sent part returns to the momentum (M ← M +
 α T⁻¹(Q̂_i), as for a flagged step) and the momentum keeps the gradient; EF21-Muon commits
 the new momentum M_j⁺ but not G_j (the server never got R_j, so G = mean G_j still holds and
 R_j is sent again from M_j⁺ − G_j); LoRDO / DiLoCo drop the sync (anchor, outer momentum and
@@ -50,7 +52,9 @@ local state to return to and whose start already moved the worker error, and a l
 Refused, with ValueError naming what differs: another optimizer class, other param groups
 or hyperparameters (lr and initial_lr excepted: schedulers move them), other parameter
 counts or shapes, replicated state that differs between old ranks, FSDP2 shards or a
-process group smaller than the world (the two-tier layout).
+process group smaller than the world (the two-tier layout). Settings a state_dict does not
+record (EF21's compressors and topology, the wire) cannot be compared here; the handshake
+after the load checks only that the new ranks agree.
 """
 
 from __future__ import annotations
@@ -59,7 +63,6 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import padded_numel
-from ..compress import Payload
 from .apmsqueeze import ERRORS_KEY, APMSqueeze
 from .base import CommunicatingOptimizer
 from .checkpoints import INFLIGHT_KEY, STATS_KEY, STEP_KEY
@@ -67,9 +70,8 @@ from .demo import DeMo, momentum_in_transform
 from .dense import DenseAllReduce
 from .diloco import DiLoCo
 from .ef21_muon import EF21Muon
+from .elastic_flight import fold_in_flight, rescaled_sum
 from .lordo import LoRDO
-from .periodic import PeriodicAveraging
-from .protocol import prefix_nbytes
 from .shards import is_sharded
 
 PER_RANK, REPLICATED, SERVER = "per-rank", "replicated", "server"
@@ -156,8 +158,8 @@ def remap(optimizer: CommunicatingOptimizer, states: list[dict], rank: int) -> d
     kinds = _check_call(optimizer, states, rank)
     new = optimizer.comm.world_size
     row = mixing_weights(len(states), new)[rank]
-    carried = _rescaled_sum(optimizer, states, new)
-    states = [_fold_in_flight(optimizer, s, i) for i, s in enumerate(states)]
+    carried = rescaled_sum(optimizer, states, new)
+    states = [fold_in_flight(optimizer, s, i) for i, s in enumerate(states)]
     if isinstance(optimizer, DiLoCo):
         out = {"inner": _torch_state(optimizer.inner, [s["inner"] for s in states], row, {"*": PER_RANK}, False,
                                      "inner"),
@@ -206,11 +208,6 @@ def _expect_keys(states: list[dict], *keys: str) -> None:
             raise ValueError(f"states[{i}] lacks {missing} (it has {sorted(s)}): another optimizer's state_dict?")
 
 
-def _layout_ids(optimizer) -> list[int]:
-    """The state_dict ids (positions in param-group order) of the layout's parameters."""
-    return [i for i, p in enumerate(optimizer.params) if p.requires_grad and p.numel()]
-
-
 def _check_groups(live: list[dict], saved: list[dict], what: str) -> None:
     """Param groups: as many, as many parameters each, the same hyperparameters (SCHEDULED excepted)."""
     if len(live) != len(saved):
@@ -239,25 +236,29 @@ def _param_state(optimizer, group, p, dicts: list[dict], row, kinds: dict, serve
     """One parameter's new state from every old rank's (`dicts`), key by key, by its kind."""
     out = {}
     for key in sorted({k for d in dicts for k in d}, key=str):
-        kind = kinds.get(key, kinds.get("*"))
-        name = f"{what} '{key}'"
+        kind, name = kinds.get(key, kinds.get("*")), f"{what} '{key}'"
         having = [i for i, d in enumerate(dicts) if key in d]
         if kind is None:
             raise ValueError(f"{name}: no elastic policy for this state key of {type(optimizer).__name__}")
         if kind != SERVER and len(having) != len(dicts):
             raise ValueError(f"{name} is on old ranks {having} only, but it belongs on every rank")
         values = [dicts[i][key] for i in having]
-        if kind == SERVER:
-            if server and values:
-                out[key] = replicated(values, name)
-        else:
-            out[key] = mix(values, row, name) if kind == PER_RANK else replicated(values, name)
-        value = out.get(key, values[0] if values else None)
-        want = _expected_numel(optimizer, group, p, key, {key: value, **dicts[having[0]]}) if values else None
-        if want is not None and value.numel() != want:
-            raise ValueError(f"{name} has shape {tuple(value.shape)} ({value.numel()} elements), but this "
-                             f"optimizer's parameter has shape {tuple(p.shape)}: other parameter shapes?")
+        _check_shapes(_expected_numel(optimizer, group, p, key, dicts[having[0]]), p, values, name)
+        if kind == PER_RANK:
+            out[key] = mix(values, row, name)
+        elif kind == REPLICATED or server:          # SERVER: kept where the server runs
+            out[key] = replicated(values, name)
     return out
+
+
+def _check_shapes(want: int | None, p: torch.Tensor, values: list, name: str) -> None:
+    """Every old rank's tensor shaped alike, with the element count parameter p needs (`want`)."""
+    shapes = [tuple(v.shape) for v in values if torch.is_tensor(v)]
+    if len(set(shapes)) > 1:
+        raise ValueError(f"{name} has shapes {shapes} on the old ranks: not one run's states?")
+    if shapes and want is not None and values[0].numel() != want:
+        raise ValueError(f"{name} has shape {shapes[0]} ({values[0].numel()} elements), but this optimizer's "
+                         f"parameter has shape {tuple(p.shape)}: other parameter shapes?")
 
 
 def _torch_state(optimizer, states: list[dict], row, kinds: dict, server: bool, what: str) -> dict:
@@ -322,8 +323,8 @@ def _envelope(states: list[dict], row) -> dict:
     out = {STEP_KEY: replicated([int(s.get(STEP_KEY, 0)) for s in states], "the step count")}
     stats = [s.get(STATS_KEY) for s in states]
     if all(x is not None for x in stats):
-        counters = lambda rows, what: {k: mix([r.get(k, 0) for r in rows], row, what)  # noqa: E731
-                                       for k in sorted({k for r in rows for k in r})}
+        def counters(rows: list[dict], what: str) -> dict:
+            return {k: mix([r.get(k, 0) for r in rows], row, what) for k in sorted({k for r in rows for k in r})}
         tags = sorted({t for x in stats for t in x["by_tag"]})
         out[STATS_KEY] = {"totals": counters([x["totals"] for x in stats], "comm totals"),
                           "steps": replicated([x["steps"] for x in stats], "the comm stats' step count"),
@@ -331,60 +332,3 @@ def _envelope(states: list[dict], row) -> dict:
                           "by_tag": {t: counters([x["by_tag"].get(t, {}) for x in stats], f"comm {t}")
                                      for t in tags}}
     return out
-
-
-def _fold_in_flight(optimizer, state: dict, i: int) -> dict:
-    """Old rank i's state with its step in flight folded back (module docstring), or ValueError."""
-    if INFLIGHT_KEY not in state:
-        return state
-    state = dict(state)
-    record = state.pop(INFLIGHT_KEY)
-    refuse = f"states[{i}] has step {record['step']} in flight (overlap=True)"
-    if record["exact"] is not None:
-        raise ValueError(f"{refuse} under a lookahead: the model holds moved parameters; flush() before the "
-                         "checkpoint to resume it on another world size")
-    if isinstance(optimizer, PeriodicAveraging) or _sums(optimizer, record["step"]):
-        return state                 # the sync not made: Δ_i stays in the replica; a sum: `_rescaled_sum`
-    if not isinstance(optimizer, (DeMo, EF21Muon)):
-        raise ValueError(f"{refuse}: {type(optimizer).__name__}'s message has no local state to return to; "
-                         "flush() before the checkpoint to resume it on another world size")
-    layout, ids = optimizer.layout(), _layout_ids(optimizer)
-    per_param = {pid: dict(s) for pid, s in state["state"].items()}
-    if isinstance(optimizer, EF21Muon):              # M_j ← M_j⁺ where this rank had a gradient; G_j kept
-        for k, (pid, m_new) in enumerate(zip(ids, record["algorithm"]["momenta"])):
-            if k not in record["absent"]:
-                per_param[pid]["momentum"] = m_new.clone()
-    else:
-        slots = optimizer._slots(layout)
-        payload, scratch = record["message"][0][prefix_nbytes(len(layout)):], optimizer._scratch(slots)
-        for (group, p, comp, offset, n, _), pid in zip(slots, ids):
-            own = comp.read(Payload.from_buffer(payload[offset: offset + n], comp.payload_spec(p.shape)), p.shape)
-            m = per_param[pid]["momentum"].clone()
-            # M ← M + α T⁻¹(Q̂_i): what this rank sent returns to its momentum
-            optimizer._subtract_sent(record["step"], group, p, comp, m, own, group["alpha"], scratch)
-            per_param[pid]["momentum"] = m
-    return {**state, "state": per_param}
-
-
-def _sums(optimizer, step: int) -> bool:
-    """Whether the exchange of `step` is a sum all-reduce (ReduceAll) that is not a sync."""
-    return isinstance(optimizer, DenseAllReduce) or (isinstance(optimizer, APMSqueeze)
-                                                     and step <= optimizer.warmup_steps)
-
-
-def _rescaled_sum(optimizer, states: list[dict], new: int) -> dict | None:
-    """A summed step in flight, the same on every old rank, kept in flight for W' ranks."""
-    records = [s.get(INFLIGHT_KEY) for s in states]
-    if records[0] is None or not _sums(optimizer, records[0]["step"]):
-        return None
-    if any(r is None for r in records):
-        raise ValueError(f"old ranks {[i for i, r in enumerate(records) if r is None]} have no step in flight, "
-                         "rank 0 has one: were these state_dicts saved at one step?")
-    for what in ("step", "message", "hyper", "algorithm"):
-        replicated([r[what] for r in records], f"the step in flight's {what}")
-    absent = {k: v for k, v in records[0]["absent"].items()          # no gradient on any rank: the same snapshot
-              if all(k in r["absent"] for r in records)}
-    total = records[0]["message"][0]
-    # Σ' = Σ · W'/W: the same mean Σ'/W' = Σ/W, and every rank counted in the trailer W'/W times
-    scaled = (total.double() * new / len(states)).to(total.dtype)
-    return {**records[0], "message": [scaled], "absent": absent, "exact": None}
