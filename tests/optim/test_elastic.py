@@ -18,7 +18,7 @@ import torch
 import thinwire
 from thinwire.comm.collectives import padded_numel
 from thinwire.compress import ChunkedTopK
-from thinwire.optim.checkpoints import INFLIGHT_KEY, STEP_KEY
+from thinwire.optim.checkpoints import INFLIGHT_KEY, STATS_KEY, STEP_KEY
 from thinwire.optim.elastic import mix, mixing_weights, remap
 from tests.dist import run_workers
 from tests.optim import problem
@@ -179,6 +179,9 @@ def _check_state(name: str, olds: list[dict], new: dict, j: int) -> None:
     first, new_world = olds[0], len(HAND[(len(olds), 2 if len(olds) == 4 else 3)])
     a_row = HAND[(len(olds), new_world)][j]
     assert new[STEP_KEY] == first[STEP_KEY]
+    for field in ("payload_bytes", "link_bytes_sent"):       # per-rank history, mixed and rounded
+        totals = [o[STATS_KEY]["totals"][field] for o in olds]
+        assert new[STATS_KEY]["totals"][field] == round(sum(w * t for t, w in zip(totals, a_row) if w))
     summed = name in ("dense-overlap", "apm-warmup-overlap")
     assert (INFLIGHT_KEY in new) == (summed and INFLIGHT_KEY in first)
     if INFLIGHT_KEY in new:                          # the all-reduced sum, W'/W of it: the same mean over W'
@@ -298,6 +301,26 @@ def test_four_ranks_onto_one_average_all_four(runs):
         _eq(state["state"][pid]["momentum"], _mixed([s["state"][pid]["momentum"] for s in _states(runs, "demo")],
                                                     [.25] * 4))
     opt.load_state_dict(state)
+
+
+def test_the_same_world_size_resumes_bit_for_bit_a_step_in_flight_included():
+    """W' = W: this rank's own state as saved; the run goes on as if never interrupted."""
+    def run(split: bool) -> torch.Tensor:
+        model = problem.make_model()
+        opt = CASES["demo-overlap"][0](list(model.parameters()))
+        _train(model, opt, 0, 5)
+        if split:
+            saved = copy.deepcopy(opt.state_dict())
+            assert INFLIGHT_KEY in saved
+            opt = CASES["demo-overlap"][0](list(model.parameters()))
+            state = remap(opt, [saved], 0)
+            assert state.keys() == saved.keys() and torch.equal(state[INFLIGHT_KEY]["message"][0],
+                                                               saved[INFLIGHT_KEY]["message"][0])
+            opt.load_state_dict(state)
+        _train(model, opt, 0, 5)
+        opt.flush()
+        return problem.flat_params(model)
+    _eq(run(True), run(False))
 
 
 def test_another_optimizer_is_refused_naming_what_differs(runs):

@@ -17,7 +17,8 @@ ranks is preserved exactly, (1/W') Σ_j X'_j = (1/W) Σ_i X_i. That mean is what
 algorithm reads: DeMo's and APMSqueeze's error feedback enter the update through the mean
 over ranks (no unsent momentum is lost or duplicated in total); EF21's invariant "server
 estimate G = mean_j G_j" survives; LoRDO / DiLoCo's sync reads mean_i (θ_i − θ₀), so
-averaging replicas is what the next sync would do. W' = W is the identity, W → W/2 averages
+averaging replicas is what the next sync would do. W' = W is the identity (remap returns the
+rank's own state as saved, a step in flight included, after the checks), W → W/2 averages
 neighbours (contiguous ranks: a site's), W → 2W copies each rank's state to two ranks.
 Model parameters are no optimizer state: where replicas drift (LoRDO, DiLoCo between syncs)
 the caller mixes each rank's own the same way, `mix(values, mixing_weights(W, W')[rank], name)`.
@@ -156,8 +157,20 @@ def remap(optimizer: CommunicatingOptimizer, states: list[dict], rank: int) -> d
     built on the new process group: its world size is W', its rank `rank`) should `load_state_dict`.
     ValueError naming what differs for anything it cannot map (another optimizer, other shapes, ...)."""
     kinds = _check_call(optimizer, states, rank)
+    if len(states) == optimizer.comm.world_size:    # the identity: checked, then this rank's own state as saved
+        _mapped(optimizer, [{k: v for k, v in s.items() if k != INFLIGHT_KEY} for s in states], rank, kinds)
+        return dict(states[rank])
+    return _mapped(optimizer, states, rank, kinds)
+
+
+def _mapped(optimizer, states: list[dict], rank: int, kinds: dict) -> dict:
+    """`remap` for another world size: the interval rule, key by key, by each state's kind."""
     new = optimizer.comm.world_size
     row = mixing_weights(len(states), new)[rank]
+    if not isinstance(optimizer, (DiLoCo, DenseAllReduce)):     # before a fold reads them with this optimizer's
+        _expect_keys(states, "state", "param_groups")
+        for i, s in enumerate(states):
+            _check_groups(optimizer.param_groups, s["param_groups"], f"states[{i}]")
     carried = rescaled_sum(optimizer, states, new)
     states = [fold_in_flight(optimizer, s, i) for i, s in enumerate(states)]
     if isinstance(optimizer, DiLoCo):

@@ -32,7 +32,7 @@ def fold_in_flight(optimizer, state: dict, i: int) -> dict:
         raise ValueError(f"{refuse} under a lookahead: the model holds moved parameters; flush() before the "
                          "checkpoint to resume it on another world size")
     if isinstance(optimizer, PeriodicAveraging) or _sums(optimizer, record["step"]):
-        return state                 # the sync not made: Δ_i stays in the replica; a sum: `_rescaled_sum`
+        return state                 # the sync not made: Δ_i stays in the replica; a sum: `rescaled_sum`
     if not isinstance(optimizer, (DeMo, EF21Muon)):
         raise ValueError(f"{refuse}: {type(optimizer).__name__}'s message has no local state to return to; "
                          "flush() before the checkpoint to resume it on another world size")
