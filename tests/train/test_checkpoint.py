@@ -80,7 +80,8 @@ def test_resume_continues_bit_for_bit(interrupted, capsys):
     assert a.keys() == b.keys() and a
     assert all(torch.equal(a[k], b[k]) for k in a)
     logs = [(p / "demo.jsonl").read_text() for p in (whole, resumed)]
-    strip = lambda text: [line for line in text.splitlines() if '"step_s"' not in line and '"final"' not in line]
+    strip = lambda text: [line for line in text.splitlines()
+                          if '"step_s"' not in line and '"final"' not in line and '"resume"' not in line]
     assert [line.split('"step_s"')[0] for line in logs[0].splitlines() if '"kind": "step"' in line] == \
            [line.split('"step_s"')[0] for line in logs[1].splitlines() if '"kind": "step"' in line]
     assert strip(logs[0]) == strip(logs[1])                        # evals equal too, no duplicate steps
@@ -116,8 +117,10 @@ def test_incompatible_checkpoint_names_what_differs(interrupted):
     check(path, expected_meta(cfg, "demo", 3e-3, 2))
     with pytest.raises(CheckpointError, match=r"optimizer: checkpoint 'demo', this run 'lordo'"):
         check(path, expected_meta(cfg, "lordo", 3e-3, 2))
-    with pytest.raises(CheckpointError, match=r"world size: checkpoint 2, this run 3.*workers: checkpoint 2"):
-        check(path, expected_meta(replace(cfg, workers=3), "demo", 3e-3, 3))
+    assert check(path, expected_meta(replace(cfg, workers=3), "demo", 3e-3, 3))["world"] == 2   # elastic: resumed
+    with pytest.raises(CheckpointError, match=r"world size: checkpoint 2, this run 3 \(a --sites run resumes "
+                                              r"only at the world size it was.*sites: checkpoint 0, this run 3"):
+        check(path, expected_meta(replace(cfg, workers=3, sites=3), "demo", 3e-3, 3))
     with pytest.raises(CheckpointError, match=r"n_embd: checkpoint 64, this run 128"):
         check(path, expected_meta(replace(cfg, n_embd=128), "demo", 3e-3, 2))
     check(path, expected_meta(replace(cfg, eval_every=2), "demo", 3e-3, 2))    # evaluation may change

@@ -2,7 +2,7 @@
 
     root = checkpoint_root(out_dir)                   # <out>/checkpoint
     path = latest(root)                               # newest complete step-NNNNNN, or None
-    check(path, expected_meta(cfg, name, lr, world))  # CheckpointError naming what differs
+    check(path, expected_meta(cfg, name, lr, world))  # CheckpointError naming what differs (not the world size)
     check_resumable(out_dir, cfg, name, lr, world)    # latest + check of <out>/checkpoint, before the workers
     save(root, step, model, built, sched, meta, rank, keep=2)
     step = load(path, model, built, sched, rank)
@@ -22,7 +22,9 @@ A checkpoint is one DCP folder `<out>/checkpoint/step-NNNNNN/` holding
     HSDP its DTensor state, sharded (get_optimizer_state_dict), instead of per-rank bytes;
   * `thinwire.json` (rank 0): the step, optimizer, lr, world size, config, parameter shapes
     and the size of every file in the folder.
-The step is the data position (data.train_batch is a pure function of the step). DCP
+The step is the data position (data.train_batch is a pure function of the step). A flat run
+(no --sites) resumes at any world size: every new rank then reads every old rank's
+"rank{i}" and maps them (train/elastic.py); a --sites checkpoint only at its own. DCP
 writes into `step-NNNNNN.tmp`; rank 0 renames it once every rank has written and the
 metadata is on disk, so a crash mid-write leaves the previous checkpoint as the latest
 complete one. The newest `keep` complete checkpoints are kept.
@@ -43,8 +45,9 @@ import torch.distributed as dist
 
 META = "thinwire.json"
 _NAME = re.compile(r"^step-(\d{6,})$")
-# Config fields a resumed run may change: they do not touch the trajectory.
-MAY_DIFFER = ("eval_every",)
+# Config fields a resumed run may change: evaluation does not touch the trajectory; the
+# world size (checkpoint "world", config "workers") may change in the flat layout (train/elastic.py).
+MAY_DIFFER = ("eval_every", "workers")
 
 
 class CheckpointError(ValueError):
@@ -99,12 +102,12 @@ def check(path: Path, expect: dict) -> dict:
             raise CheckpointError(f"checkpoint {path} is corrupt: {name} is "
                                   f"{'missing' if have is None else f'{have} bytes'}, was written as {size} bytes"
                                   + _previous(path))
-    diffs = []
-    for key in ("optimizer", "world", "lr"):
-        if key in expect and meta.get(key) != expect[key]:
-            what = "world size" if key == "world" else key
-            diffs.append(f"{what}: checkpoint {meta.get(key)!r}, this run {expect[key]!r}")
+    diffs = [f"{key}: checkpoint {meta.get(key)!r}, this run {expect[key]!r}"
+             for key in ("optimizer", "lr") if key in expect and meta.get(key) != expect[key]]
     saved, now = meta.get("config", {}), expect.get("config", {})
+    if "world" in expect and meta.get("world") != expect["world"] and (saved.get("sites") or now.get("sites")):
+        diffs.append(f"world size: checkpoint {meta.get('world')!r}, this run {expect['world']!r} (a --sites run "
+                     f"resumes only at the world size it was written at; another world size is for the flat layout)")
     for key in sorted(set(saved) | set(now)):
         if key not in MAY_DIFFER and saved.get(key) != now.get(key):
             diffs.append(f"{key}: checkpoint {saved.get(key)!r}, this run {now.get(key)!r}")
@@ -116,8 +119,7 @@ def check(path: Path, expect: dict) -> dict:
     if diffs:
         raise CheckpointError(f"checkpoint {path} (step {meta.get('step')}) is from another run and cannot be "
                               f"resumed by this one: " + "; ".join(diffs) +
-                              ". Resume with the flags it was written with (a run resumes at the world size it was "
-                              "written at), or give another --out")
+                              ". Resume with the flags it was written with, or give another --out")
     return meta
 
 
@@ -135,7 +137,7 @@ def check_resumable(out_dir: str | os.PathLike, cfg, optimizer: str, lr: float, 
     path = latest(checkpoint_root(out_dir))
     if path is not None:
         meta = check(path, expected_meta(cfg, optimizer, lr, world))
-        if announce:
+        if announce and meta.get("world", world) == world:      # another world: rank 0 says how it maps
             print(f"thinwire: resuming {optimizer} from {path} (step {meta['step']} of {cfg.steps})", file=sys.stderr)
 
 
@@ -211,12 +213,18 @@ def _shapes_of(model, meta: dict) -> dict:
 def load(path: str | os.PathLike, model, built, sched, rank: int, extra: dict | None = None) -> int:
     """Restore model, this rank's optimizer state, scheduler and RNG from `path`; its step.
     `extra` (a dict) is updated with what save() was given as this rank's `extra`.
-    A checkpoint DCP cannot read raises CheckpointError on every rank."""
+    Written by another number of ranks (flat layout): this rank's state is mapped from every
+    old rank's (train/elastic.py). A checkpoint DCP cannot read raises CheckpointError on every rank."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
     path = Path(path)
     meta = json.loads((path / META).read_text())
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    old = int(meta.get("world", world))
     state = _state(model, built, sched, rank, False)
+    if old != world:                           # every old rank's bytes, on every new rank
+        del state[f"rank{rank}"]
+        state.update({f"rank{i}": io.BytesIO() for i in range(old)})
     try:
         dcp.load(state, checkpoint_id=str(path))
     except Exception as err:               # DCP gathers every rank's read errors and raises them on all
@@ -226,10 +234,24 @@ def load(path: str | os.PathLike, model, built, sched, rank: int, extra: dict | 
     set_model_state_dict(model, state["model"])
     if "optim" in state:
         set_optimizer_state_dict(model, built.optimizer, state["optim"])
-    mine = state[f"rank{rank}"]
-    if isinstance(mine, io.BytesIO):           # DCP hands back torch.load of the bytes, or fills the buffer
-        mine.seek(0)
-        mine = torch.load(mine, weights_only=False)
+    if old == world:
+        mine = _unpack(state[f"rank{rank}"])
+    else:
+        from .elastic import new_rank_blob
+        mine = new_rank_blob([_unpack(state[f"rank{i}"]) for i in range(old)], built, rank, world,
+                             meta.get("config", {}).get("seed", 0), int(meta["step"]))
+    _restore(mine, model, built, sched, extra)
+    return int(meta["step"])
+
+
+def _unpack(blob) -> dict:
+    if isinstance(blob, io.BytesIO):           # DCP hands back torch.load of the bytes, or fills the buffer
+        blob.seek(0)
+        blob = torch.load(blob, weights_only=False)
+    return blob
+
+
+def _restore(mine: dict, model, built, sched, extra: dict | None) -> None:
     if "params" in mine:                       # this rank's own replica (local steps since the last sync)
         with torch.no_grad():
             for n, p in model.named_parameters():
@@ -242,7 +264,6 @@ def load(path: str | os.PathLike, model, built, sched, rank: int, extra: dict | 
     torch.set_rng_state(mine["rng"]["cpu"])
     if "cuda" in mine["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state(mine["rng"]["cuda"])
-    return int(meta["step"])
 
 
 def read_model(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -33,7 +33,7 @@ from .config import BANDWIDTHS
 
 
 def read_log(path: str | Path) -> dict:
-    steps, evals, final = [], [], None
+    steps, evals, resumes, final = [], [], [], None
     with open(path) as f:
         for line in f:
             rec = json.loads(line)
@@ -41,9 +41,11 @@ def read_log(path: str | Path) -> dict:
                 steps.append(rec)
             elif rec["kind"] == "eval":
                 evals.append(rec)
+            elif rec["kind"] == "resume":            # a resumed run (worker.py): step, world sizes, time to recover
+                resumes.append(rec)
             else:
                 final = rec
-    return {"steps": steps, "evals": evals, "final": final}
+    return {"steps": steps, "evals": evals, "resumes": resumes, "final": final}
 
 
 def link_per_step(log: dict) -> list[tuple[int, int]]:
@@ -114,6 +116,8 @@ def summarize(optimizer: str, log: dict, target: float, latency_s: float, link: 
         "comm_stats": log["final"]["comm_stats"] if log["final"] else None,
         "n_params": log["final"]["n_params"] if log["final"] else None,
         "optimizer_state_bytes_per_rank": (log["final"] or {}).get("optimizer_state_bytes"),
+        "resumes": [{k: r.get(k) for k in ("step", "checkpoint", "old_world", "world", "load_s", "time_to_recover_s")}
+                    for r in log.get("resumes", [])],
     }
     tiers = (log["final"] or {}).get("tiers")
     if tiers:

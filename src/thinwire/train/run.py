@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+import time
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -95,6 +96,7 @@ def compare(cfg: TrainConfig, optimizers: list[str], options: RunOptions | None 
     `options.checkpoint` (`thinwire train`, one optimizer, needs `out_dir`): checkpoints under
     `<out>/checkpoint/` every `checkpoint_every` steps and at the end, and the run resumes
     from the latest complete one there (train/checkpoint.py)."""
+    started = time.time()                  # a resumed run's time to recover counts from here
     opts = replace(options or RunOptions(), **fields)
     workers = cfg.workers if opts.workers is None else opts.workers
     cfg, opts = prepare(cfg, opts)
@@ -119,7 +121,7 @@ def compare(cfg: TrainConfig, optimizers: list[str], options: RunOptions | None 
             lr = learning_rate(cfg, name, opts.lrs)
             path = out / f"{name}.jsonl"
             kwargs = ({"namespaces": emulated.namespaces, "ifname": emulated.ifname} if emulated else {})
-            launch(train_worker, workers, args=(cfg, name, lr, str(path), opts), timeout=opts.peer_timeout, **kwargs)
+            launch(train_worker, workers, args=(cfg, name, lr, str(path), opts, started), timeout=opts.peer_timeout, **kwargs)
             logs[name] = read_log(path)
             logs[name]["lr"] = lr
     return report(cfg, logs, workers, out, latency_s, opts.target, link_info, opts.show)

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -109,14 +110,20 @@ def _timed_step(built, sched, x, y, fsdp=None, last: bool = False) -> dict:
 
 
 def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path: str | None,
-                 options: RunOptions) -> None:
+                 options: RunOptions, started: float | None = None) -> None:
     """Train `cfg`'s model with `optimizer` at base `lr` on this rank; rank 0 logs to `log_path`.
 
     When `options.writes_checkpoints` (train/checkpoint.py): resume from the latest complete
     checkpoint under <out>/checkpoint when there is one, and write one every
     `options.checkpoint_every` steps (0: none) and at the end. A collective that fails (a peer
     died, or sent nothing for `options.peer_timeout` seconds, the process group's timeout)
-    raises PeerFailure naming the step."""
+    raises PeerFailure naming the step.
+
+    A resumed run logs one "resume" record (written with its first step): the step and
+    checkpoint it resumed from, the old and new world size, how per-rank state was mapped,
+    the checkpoint's load time and `time_to_recover_s`, from `started` (time.time() when the
+    launcher began; default: this worker's start) to the end of that first step."""
+    started = time.time() if started is None else started
     install()                                       # time what the Communicator waits on
     checkpoint_dir = str(checkpoint_root(options.out_dir)) if options.writes_checkpoints else None
     checkpoint_every = options.checkpoint_every
@@ -134,11 +141,10 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
     meta = expected_meta(cfg, optimizer, lr, world, model)
     done = step = 0
     resume = latest(checkpoint_dir) if checkpoint_dir else None
+    resumed = None                                  # the "resume" record, written with the first step
     if resume is not None:
-        check(resume, meta)
-        saved = {}
-        done = step = load(resume, model, built, sched, rank, saved)
-        inter_steps = saved.get("inter_steps", [])
+        done, inter_steps, resumed = _resume(resume, meta, model, built, sched, rank, world, optimizer)
+        step = done
     log = _open_log(log_path, done) if rank == 0 else None
     bar = Progress(optimizer, cfg.steps, enabled=(rank == 0 and not options.quiet))
     try:
@@ -152,6 +158,9 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
             _maybe_die(rank, step)
             x, y = (t.to(device) for t in train_batch(train_ids, cfg, step - 1, rank, world))
             rec = _timed_step(built, sched, x, y, fsdp, last=(step == cfg.steps))
+            if resumed is not None:
+                _write(log, {**resumed, "time_to_recover_s": time.time() - started})
+                resumed = None
             inter_steps.append((rec["payload_bytes"], rec["link_bytes_sent"], rec["link_bytes_received"]))
             _write(log, {"kind": "step", "step": step, **rec})
             bar.update(step, rec["loss"], built.stats.payload_bytes)
@@ -163,6 +172,8 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
                 save(checkpoint_dir, step, model, built, sched, meta, rank, extra={"inter_steps": inter_steps})
         if done >= cfg.steps:                      # resumed at the end: the final evaluation again
             val = evaluate(model, val_ids, starts, cfg, rank, world)
+        if resumed is not None:                    # no step left to take
+            _write(log, {**resumed, "time_to_recover_s": None})
         state_bytes = optimizer_state_bytes(built.optimizer)
         final = {"kind": "final", "comm_stats": built.stats.state_dict(), "val_loss": val,
                  "n_params": sum(p.numel() for p in model.parameters()), "optimizer_state_bytes": state_bytes}
@@ -181,6 +192,25 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
         bar.close()
         if log:
             log.close()
+
+
+def _resume(path, meta: dict, model, built, sched, rank: int, world: int, optimizer: str) -> tuple:
+    """Load checkpoint `path` (checked against this run's `meta`; at another world size the
+    per-rank state is mapped, train/elastic.py, and rank 0 says how): (step, this rank's
+    inter-site byte history, the "resume" log record without its time to recover)."""
+    t0 = time.perf_counter()
+    old_world = check(path, meta).get("world", world)
+    saved = {}
+    done = load(path, model, built, sched, rank, saved)
+    how = "same world size: each rank its own"
+    if old_world != world:
+        from .elastic import announcement, rule
+        how = rule(built, old_world, world)
+        if rank == 0:
+            print(announcement(path, optimizer, old_world, world, how), file=sys.stderr, flush=True)
+    record = {"kind": "resume", "step": done, "checkpoint": os.path.basename(str(path)), "old_world": old_world,
+              "world": world, "mapping": how, "load_s": time.perf_counter() - t0}
+    return done, saved.get("inter_steps", []), record
 
 
 def _gather_tiers(tiers: Tiers, world: int, state_bytes: int, inter_steps: list) -> dict:
