@@ -34,7 +34,8 @@ trailer; lockstep; the `nonfinite` policy (on a flagged step nothing moves on an
 no state changes, error buffers included); a parameter with a gradient on no rank is left
 as it was, its share of both error buffers included. Unlike DeepSpeed, `state_dict()` keeps
 this rank's worker and server errors (with the world size and rank they belong to), so a
-resume on the same ranks continues bit-identically; see `error_resume` for another world.
+resume on the same ranks continues bit-identically; on another world size, map the ranks'
+states with `thinwire.optim.elastic.remap` (or see `error_resume`).
 
     opt = APMSqueeze(model.parameters(), lr=1e-3, warmup_steps=max(5, total_steps // 5))
     loss.backward(); opt.step(); opt.zero_grad()     # no DDP gradient all-reduce
@@ -299,7 +300,7 @@ class APMSqueeze(CommunicatingOptimizer):
         if (saved["world_size"], saved["rank"]) != here:
             message = (f"this APMSqueeze state holds the error-feedback buffers of rank {saved['rank']} of "
                        f"{saved['world_size']}, but this is rank {here[1]} of {here[0]}; load each rank's "
-                       "own state_dict on the same world size")
+                       "own state_dict on the same world size, or map them with thinwire.optim.elastic.remap")
             if self.error_resume == "exact":
                 raise ValueError(message + ", or pass error_resume='reset' to restart the errors from zero")
             warnings.warn(message + "; error_resume='reset': worker and server errors restart from zero")
