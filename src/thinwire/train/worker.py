@@ -10,7 +10,8 @@ timing every collective call and wait (timing.py; PowerSGD's waits too, powersgd
 Validation (every `eval_every` steps and at the end) runs outside the timed region; its
 loss is averaged over ranks with an uncounted harness all-reduce. Rank 0 writes one JSON
 line per step and per evaluation to `log_path`, and a final record with the optimizer's
-own cumulative comm stats and its state's bytes on this rank.
+own cumulative comm stats, its state's bytes on this rank and (flat layout) whether every
+rank ends with bit-identical parameters.
 
 Under `--sites` (cfg.sites, train/sites.py) the model is FSDP2-sharded inside each site and
 the step's bytes are the inter-site ones; each step record adds FSDP2's intra-site bytes
@@ -20,6 +21,7 @@ step, the busiest site's inter-site bytes summed over its ranks (gathered after 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -181,6 +183,8 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
             final["compute_only_step_s"] = compute_only
         if tiers is not None:
             final["tiers"] = _gather_tiers(tiers, world, state_bytes, inter_steps)
+        else:
+            final["replicas_identical"] = _replicas_identical(model, world)
         _write(log, final)
     except Exception as err:
         if peer_failed(err):
@@ -211,6 +215,18 @@ def _resume(path, meta: dict, model, built, sched, rank: int, world: int, optimi
     record = {"kind": "resume", "step": done, "checkpoint": os.path.basename(str(path)), "old_world": old_world,
               "world": world, "mapping": how, "load_s": time.perf_counter() - t0}
     return done, saved.get("inter_steps", []), record
+
+
+def _replicas_identical(model, world: int) -> bool:
+    """Whether every rank ends with bit-identical parameters (flat layout; an uncounted harness
+    all-gather of a digest). LoRDO and DiLoCo: only when the last step was a sync."""
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
+    everyone = [None] * world
+    if world > 1:
+        dist.all_gather_object(everyone, digest.hexdigest())
+    return len(set(everyone)) == 1
 
 
 def _gather_tiers(tiers: Tiers, world: int, state_bytes: int, inter_steps: list) -> dict:
