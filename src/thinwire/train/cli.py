@@ -142,8 +142,6 @@ def torchrun_main(argv=None) -> None:
     `--sites S` with `torchrun --nnodes S`: torchrun numbers ranks node by node, so each node
     is one site (FSDP2 inside the node, the optimizer between nodes).
     """
-    import time
-    started = time.time()                       # a resumed run's time to recover counts from here
     argv = list(sys.argv[1:] if argv is None else argv)
     if "RANK" not in os.environ:
         main(["train", *argv])
@@ -181,7 +179,7 @@ def torchrun_main(argv=None) -> None:
         if log and rank == 0:
             os.makedirs(args.out, exist_ok=True)
         try:
-            train_worker(rank, world, cfg, args.optimizer, lr, log, opts, started)
+            train_worker(rank, world, cfg, args.optimizer, lr, log, opts)
         except (PeerFailure, ValueError) as err:        # a dead peer, a bad checkpoint: one clear line each
             print(f"thinwire: error: {err}", file=sys.stderr, flush=True)
             os._exit(1)                                 # the group is broken: tearing it down could wait

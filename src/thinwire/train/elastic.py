@@ -41,15 +41,15 @@ def _fmt(a: torch.Tensor) -> str:
 def rule(built, old_world: int, world: int) -> str:
     """How this run maps per-rank state from `old_world` ranks to `world`, in words."""
     if not built.per_rank_state:
-        return "none: the optimizer state is the same on every rank (a torch optimizer under DDP), loaded as it is"
-    text = (f"the interval rule, new rank j = sum_i A[j, i] x old rank i with A = "
+        return "the optimizer state is the same on every rank (a torch optimizer under DDP): loaded as it is"
+    text = (f"per-rank optimizer state mapped by the interval rule, new rank j = sum_i A[j, i] x old rank i with A = "
             f"{_fmt(mixing_weights(old_world, world))}")
     return text + (" (each rank's own parameters too)" if built.replicas_drift else "")
 
 
 def announcement(path: str | os.PathLike, optimizer: str, old_world: int, world: int, how: str) -> str:
     return (f"thinwire: resuming {os.path.basename(str(path))} of a {old_world}-worker {optimizer} run on "
-            f"{world} workers: per-rank optimizer state mapped by {how}")
+            f"{world} workers: {how}")
 
 
 def new_rank_blob(blobs: list[dict], built, rank: int, world: int, seed: int, step: int) -> dict:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-import time
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +25,7 @@ from .data import check_corpus, load_corpus
 from .launch import launch
 from .optimizers import OPTIMIZERS, get_optimizer, learning_rate
 from .report import add_limits, format_table, plot, read_log, summarize
-from .worker import train_worker
+from .worker import process_started, train_worker
 
 DEFAULT_LATENCY_S = 1e-3
 
@@ -96,7 +95,7 @@ def compare(cfg: TrainConfig, optimizers: list[str], options: RunOptions | None 
     `options.checkpoint` (`thinwire train`, one optimizer, needs `out_dir`): checkpoints under
     `<out>/checkpoint/` every `checkpoint_every` steps and at the end, and the run resumes
     from the latest complete one there (train/checkpoint.py)."""
-    started = time.time()                  # a resumed run's time to recover counts from here
+    started = process_started()            # a resumed run's time to recover counts from the command's start
     opts = replace(options or RunOptions(), **fields)
     workers = cfg.workers if opts.workers is None else opts.workers
     cfg, opts = prepare(cfg, opts)

@@ -124,8 +124,8 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
     A resumed run logs one "resume" record (written with its first step): the step and
     checkpoint it resumed from, the old and new world size, how per-rank state was mapped,
     the checkpoint's load time and `time_to_recover_s`, from `started` (time.time() when the
-    launcher began; default: this worker's start) to the end of that first step."""
-    started = time.time() if started is None else started
+    launching command started; default: this worker process's start) to the end of that first step."""
+    started = process_started() if started is None else started
     install()                                       # time what the Communicator waits on
     checkpoint_dir = str(checkpoint_root(options.out_dir)) if options.writes_checkpoints else None
     checkpoint_every = options.checkpoint_every
@@ -196,6 +196,19 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
         bar.close()
         if log:
             log.close()
+
+
+def process_started() -> float:
+    """When this process started, as time.time() (Linux: /proc; elsewhere: now): a resumed
+    run's time to recover counts from the command's start, its interpreter and imports included."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])          # field 22: starttime, clock ticks after boot
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
 
 
 def _resume(path, meta: dict, model, built, sched, rank: int, world: int, optimizer: str) -> tuple:
