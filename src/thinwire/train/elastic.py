@@ -1,8 +1,10 @@
-"""Resuming a harness run at another world size (flat layout): checkpoint.load's half for a
-checkpoint of W ranks loaded by W' != W ranks.
+"""Resuming a harness run: the worker's `resume_from` (load, announce, the "resume" log record
+with the time to recover) and, at another world size (flat layout), checkpoint.load's half
+for a checkpoint of W ranks loaded by W' != W ranks.
 
     blob = new_rank_blob(blobs, built, rank, world, seed, step)   # blobs[i]: old rank i's "rank{i}"
-    line = announcement(path, old_world, world, rule(built, old_world, world))
+    line = announcement(path, optimizer, old_world, world, rule(built, old_world, world))
+    step, inter_steps, record = resume_from(path, meta, model, built, sched, rank, world, optimizer)   # the worker's
 
 Every new rank reads every old rank's "rank{i}" blob (DCP lets any rank load any key) and
 builds the one it would have saved itself:
@@ -22,11 +24,14 @@ at the world size it was written at (checkpoint.check refuses another one).
 from __future__ import annotations
 
 import os
+import sys
+import time
 
 import torch
 
 from ..optim.base import CommunicatingOptimizer
 from ..optim.elastic import mix, mixing_weights, remap
+from .checkpoint import check, load
 
 
 def rng_seed(seed: int, step: int, rank: int) -> int:
@@ -68,3 +73,34 @@ def new_rank_blob(blobs: list[dict], built, rank: int, world: int, seed: int, st
     if "params" in blobs[0]:
         mine["params"] = {n: mix([b["params"][n] for b in blobs], row, f"parameter {n}") for n in blobs[0]["params"]}
     return mine
+
+
+def process_started() -> float:
+    """When this process started, as time.time() (Linux: /proc; elsewhere: now): a resumed
+    run's time to recover counts from the command's start, its interpreter and imports included."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])          # field 22: starttime, clock ticks after boot
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+def resume_from(path, meta: dict, model, built, sched, rank: int, world: int, optimizer: str) -> tuple:
+    """Load checkpoint `path` (checked against this run's `meta`; at another world size the
+    per-rank state is mapped, new_rank_blob, and rank 0 says how): (step, this rank's
+    inter-site byte history, the "resume" log record without its time to recover)."""
+    t0 = time.perf_counter()
+    old_world = check(path, meta).get("world", world)
+    saved = {}
+    done = load(path, model, built, sched, rank, saved)
+    how = "same world size: each rank its own"
+    if old_world != world:
+        how = rule(built, old_world, world)
+        if rank == 0:
+            print(announcement(path, optimizer, old_world, world, how), file=sys.stderr, flush=True)
+    record = {"kind": "resume", "step": done, "checkpoint": os.path.basename(str(path)), "old_world": old_world,
+              "world": world, "mapping": how, "load_s": time.perf_counter() - t0}
+    return done, saved.get("inter_steps", []), record

@@ -120,7 +120,8 @@ def compare(cfg: TrainConfig, optimizers: list[str], options: RunOptions | None 
             lr = learning_rate(cfg, name, opts.lrs)
             path = out / f"{name}.jsonl"
             kwargs = ({"namespaces": emulated.namespaces, "ifname": emulated.ifname} if emulated else {})
-            launch(train_worker, workers, args=(cfg, name, lr, str(path), opts, started), timeout=opts.peer_timeout, **kwargs)
+            launch(train_worker, workers, args=(cfg, name, lr, str(path), opts, started), timeout=opts.peer_timeout,
+                   **kwargs)
             logs[name] = read_log(path)
             logs[name]["lr"] = lr
     return report(cfg, logs, workers, out, latency_s, opts.target, link_info, opts.show)

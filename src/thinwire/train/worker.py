@@ -26,16 +26,16 @@ import json
 import math
 import os
 import signal
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .checkpoint import check, checkpoint_root, expected_meta, latest, load, save
+from .checkpoint import checkpoint_root, expected_meta, latest, save
 from .config import RunOptions
 from .data import load_corpus, train_batch, val_starts, windows
+from .elastic import process_started, resume_from
 from .model import build_model
 from .optimizers import get_optimizer
 from .progress import Progress
@@ -145,7 +145,7 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
     resume = latest(checkpoint_dir) if checkpoint_dir else None
     resumed = None                                  # the "resume" record, written with the first step
     if resume is not None:
-        done, inter_steps, resumed = _resume(resume, meta, model, built, sched, rank, world, optimizer)
+        done, inter_steps, resumed = resume_from(resume, meta, model, built, sched, rank, world, optimizer)
         step = done
     log = _open_log(log_path, done) if rank == 0 else None
     bar = Progress(optimizer, cfg.steps, enabled=(rank == 0 and not options.quiet))
@@ -196,38 +196,6 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
         bar.close()
         if log:
             log.close()
-
-
-def process_started() -> float:
-    """When this process started, as time.time() (Linux: /proc; elsewhere: now): a resumed
-    run's time to recover counts from the command's start, its interpreter and imports included."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])          # field 22: starttime, clock ticks after boot
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return time.time()
-
-
-def _resume(path, meta: dict, model, built, sched, rank: int, world: int, optimizer: str) -> tuple:
-    """Load checkpoint `path` (checked against this run's `meta`; at another world size the
-    per-rank state is mapped, train/elastic.py, and rank 0 says how): (step, this rank's
-    inter-site byte history, the "resume" log record without its time to recover)."""
-    t0 = time.perf_counter()
-    old_world = check(path, meta).get("world", world)
-    saved = {}
-    done = load(path, model, built, sched, rank, saved)
-    how = "same world size: each rank its own"
-    if old_world != world:
-        from .elastic import announcement, rule
-        how = rule(built, old_world, world)
-        if rank == 0:
-            print(announcement(path, optimizer, old_world, world, how), file=sys.stderr, flush=True)
-    record = {"kind": "resume", "step": done, "checkpoint": os.path.basename(str(path)), "old_world": old_world,
-              "world": world, "mapping": how, "load_s": time.perf_counter() - t0}
-    return done, saved.get("inter_steps", []), record
 
 
 def _replicas_identical(model, world: int) -> bool:
