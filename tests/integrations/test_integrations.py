@@ -91,13 +91,17 @@ def _resume_case(rank, world, path, name):
         results[how] = _flat(fresh_ddp.module)
     everyone = [None] * world
     dist.all_gather_object(everyone, _flat(ddp.module))
-    bad_world = {**blob, "world": world + 1, "ranks": blob["ranks"] + [blob["ranks"][0]]}
+    other = keep_gradients_local(DistributedDataParallel(_model()))
+    sgd = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)    # a torch optimizer's per-rank state
+    _train(other, sgd, rank, 0, 1)
+    sgd_blob = PerRankState(sgd).state_dict()
     try:
-        PerRankState(opt).load_state_dict(bad_world)
+        three = {**sgd_blob, "world": world + 1, "ranks": sgd_blob["ranks"] + sgd_blob["ranks"][:1]}
+        PerRankState(sgd).load_state_dict(three)
         refused = None
     except ValueError as err:
         refused = str(err)
-    return {"whole": _flat(ddp.module), "everyone": everyone, "refused": refused, **results,
+    return {"whole": _flat(ddp.module), "everyone": everyone, "refused": refused, "blob": blob, **results,
             "states_differ": not _same_state(blob["ranks"][0], blob["ranks"][1])}
 
 
@@ -186,8 +190,28 @@ def test_per_rank_state_resumes_every_rank_bit_for_bit(ranks, name):
     assert not torch.equal(ranks[1][name]["optimizer"], ranks[1][name]["whole"])  # the default loses it
 
 
-def test_per_rank_state_refuses_another_world_size(ranks):
-    assert "holds the optimizer state of 3 ranks, this run has 2" in ranks[0]["demo"]["refused"]
+def test_per_rank_state_refuses_another_world_size_for_a_torch_optimizer(ranks):
+    assert "only a thinwire optimizer's per-rank state can be mapped" in ranks[0]["demo"]["refused"]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_per_rank_state_of_two_ranks_loads_on_one_by_the_interval_rule(ranks, name):
+    """W = 2 -> W' = 1: the one new rank takes the mean of the two ranks' per-rank state
+    (DeMo's momentum; DiLoCo's own parameters, saved between syncs), replicated state as is."""
+    blob = ranks[0][name]["blob"]
+    model = _model()
+    opt = OPTIMIZERS[name](model.parameters())
+    PerRankState(opt).load_state_dict(blob)                           # this process: world 1
+    if name == "demo":
+        saved = [r["state"] for r in blob["ranks"]]
+        for k, state in opt.state_dict()["state"].items():
+            assert torch.allclose(state["momentum"], (saved[0][k]["momentum"] + saved[1][k]["momentum"]) / 2)
+        assert not torch.equal(saved[0][0]["momentum"], saved[1][0]["momentum"])      # there was something to mix
+    else:
+        first, second = (r["params"] for r in blob["ranks"])
+        for p, a, b in zip(model.parameters(), first, second):
+            assert torch.allclose(p.detach(), (a + b) / 2)
+        assert not all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 def test_a_ddp_that_broadcasts_buffers_every_forward_is_refused(ranks):

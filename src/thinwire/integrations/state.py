@@ -18,6 +18,11 @@ LoRDO and DiLoCo (`PeriodicAveraging`): between synchronisations every rank's pa
 differ too, and a framework saves one replica. For them (or with `params=True`) the state
 also holds each rank's own parameters, which `load_state_dict` copies back over the loaded
 model: load the model first, then this (frameworks load custom objects after the model).
+
+Another world size: a checkpoint of W ranks loads on W' ranks for a thinwire optimizer, each
+new rank taking `thinwire.optim.elastic.remap` of the W saved states (the interval rule of
+docs/design.md, "Elastic"; each rank's own parameters mixed by the same rule); a torch
+optimizer's per-rank state is refused there.
 """
 
 from __future__ import annotations
@@ -72,15 +77,15 @@ class PerRankState:
         return {"format": FORMAT, "world": world, "ranks": ranks}
 
     def load_state_dict(self, saved: dict) -> None:
-        """Load this rank's own entry of `saved` (a `state_dict()` of a run at the same world
-        size) into the optimizer; ValueError for anything else, before the optimizer changes."""
+        """Load this rank's own entry of `saved` (a `state_dict()`; of another world size: mapped
+        by `remap`, module docstring) into the optimizer; ValueError for anything it cannot
+        load, before the optimizer changes."""
         rank, world = _rank_and_world()
         if not isinstance(saved, dict) or saved.get("format") != FORMAT:
             raise ValueError("not a PerRankState checkpoint (no thinwire per-rank format marker)")
-        if saved["world"] != world or len(saved["ranks"]) != world:
-            raise ValueError(f"this checkpoint holds the optimizer state of {saved['world']} ranks, this run has "
-                             f"{world}: per-rank state (error feedback, local momenta) belongs to its rank")
-        own = saved["ranks"][rank]
+        if len(saved["ranks"]) != saved["world"]:
+            raise ValueError(f"this checkpoint says {saved['world']} ranks but holds {len(saved['ranks'])} states")
+        own = saved["ranks"][rank] if saved["world"] == world else self._remapped(saved["ranks"], rank, world)
         if self.params != ("params" in own and "optimizer" in own):
             raise ValueError(f"this checkpoint was saved {'with' if not self.params else 'without'} each rank's "
                              f"parameters and this PerRankState is built {'with' if self.params else 'without'}")
@@ -88,9 +93,25 @@ class PerRankState:
             self.optimizer.load_state_dict(own)
             return
         params = self._own_params()
-        if [tuple(t.shape) for t in own["params"]] != [tuple(p.shape) for p in params]:
+        if len(own["params"]) != len(params) or [tuple(t.shape) for t in own["params"]] != [tuple(p.shape) for p in params]:
             raise ValueError("the checkpoint's parameters do not have this optimizer's parameter shapes")
         self.optimizer.load_state_dict(own["optimizer"])
         with torch.no_grad():
             for p, saved_p in zip(params, own["params"]):
                 p.copy_(saved_p)
+
+    def _remapped(self, ranks: list, rank: int, world: int) -> dict:
+        """This rank's entry for a run of `world` ranks, mapped from the saved ranks' entries."""
+        from ..optim.base import CommunicatingOptimizer
+        from ..optim.elastic import mix, mixing_weights, remap
+        if not isinstance(self.optimizer, CommunicatingOptimizer):
+            raise ValueError(f"this checkpoint holds the optimizer state of {len(ranks)} ranks, this run has {world}: "
+                             f"only a thinwire optimizer's per-rank state can be mapped onto another world size")
+        with_params = all(isinstance(r, dict) and "params" in r and "optimizer" in r for r in ranks)
+        states = [r["optimizer"] for r in ranks] if with_params else ranks
+        mapped = remap(self.optimizer, states, rank)
+        if not with_params:
+            return mapped
+        row = mixing_weights(len(ranks), world)[rank]
+        params = [mix([r["params"][k] for r in ranks], row, f"parameter {k}") for k in range(len(ranks[0]["params"]))]
+        return {"optimizer": mapped, "params": params}
