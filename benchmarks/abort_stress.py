@@ -2,6 +2,8 @@
 
     python benchmarks/abort_stress.py --runs 30                       # APMSqueeze, as issue 24 ran it
     python benchmarks/abort_stress.py --runs 30 --optimizer diloco --load "thinwire compare --preset tiny --quiet"
+    python benchmarks/abort_stress.py --runs 20 --exit-race finalize   # the abort's cause, forced
+    python benchmarks/abort_stress.py --runs 20 --exit-race os-exit    # ... and the harness's fix
 
 Each run is a fresh `python` process that spawns 3 workers (`torch.multiprocessing.spawn`,
 `file://` rendezvous), trains a small MLP for 40 steps with the optimizer, round-trips the
@@ -9,6 +11,11 @@ optimizer through `state_dict()`/`load_state_dict()` at step 25 and destroys the
 group. `--load CMD` keeps CMD running beside the runs (restarted when it ends), to load the
 machine as a busy CI box would. Prints one line per run and a table: exit codes, aborts
 (SIGABRT or `terminate called` in stderr) and other failures.
+
+`--exit-race MODE` runs, instead, workers that leave an all_reduce in flight whose tensor
+Python no longer holds and then end: `finalize` by returning (the interpreter finalizes
+while gloo's thread finishes the collective and takes the GIL to free the tensor: the
+abort), `os-exit` by `thinwire.train.launch.exit_process` (no finalization: no abort).
 """
 
 from __future__ import annotations
@@ -59,11 +66,27 @@ def _worker(rank: int, rendezvous: str, optimizer: str) -> None:
     dist.destroy_process_group()
 
 
+def _race_worker(rank: int, rendezvous: str, mode: str) -> None:
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    for _ in range(3):
+        t = torch.randn(4_000_000)
+        work = dist.all_reduce(t, async_op=True)
+        del t, work                               # only gloo's thread holds the tensor now
+    if mode == "os-exit":
+        from thinwire.train.launch import exit_process
+        exit_process(0)
+
+
 def one_job(optimizer: str) -> None:
-    """The job itself (run in a child `python` by `main`)."""
+    """The job itself (run in a child `python` by `main`); 'race:MODE' is --exit-race's."""
     import torch.multiprocessing as mp
+    fn, arg = (_race_worker, optimizer.split(":", 1)[1]) if optimizer.startswith("race:") else (lambda_free_worker,
+                                                                                                    optimizer)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(lambda_free_worker, args=(os.path.join(tmp, "rendezvous"), optimizer), nprocs=WORLD)
+        mp.spawn(fn, args=(os.path.join(tmp, "rendezvous"), arg), nprocs=WORLD)
 
 
 def lambda_free_worker(rank: int, rendezvous: str, optimizer: str) -> None:
@@ -103,8 +126,12 @@ def main() -> None:
     ap.add_argument("--load", action="append", default=[],
                     help="a command kept running beside the jobs, e.g. a thinwire compare (repeatable)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds before a job counts as hung")
+    ap.add_argument("--exit-race", choices=("finalize", "os-exit"), default=None,
+                    help="force the exit race instead of training (module docstring)")
     ap.add_argument("--job", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.exit_race:
+        args.optimizer = f"race:{args.exit_race}"
     if args.job:
         one_job(args.job)
         return

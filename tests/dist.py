@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from thinwire.train.launch import exit_process
+
 
 def outcome_of(fn):
     """Run fn(); ('ok', its value) or (the exception's type name, its message): tests compare
@@ -46,6 +48,9 @@ def _worker(fn, rank: int, world_size: int, tmpdir: str, args: tuple, collective
         torch.save(("ok", value), result_path)
     except BaseException:  # report everything, including assertion failures, to the parent
         torch.save(("error", traceback.format_exc()), result_path)
+    # no interpreter finalization: a gloo thread still freeing a collective's tensors would
+    # abort the process (thinwire.train.launch.exit_process); the result is on disk
+    exit_process(0)
 
 
 def run_workers(fn, world_size: int, args: tuple = (), timeout: float = 180.0,

@@ -163,7 +163,7 @@ def torchrun_main(argv=None) -> None:
                   f"runs {local} per node; use --sites {world // local} (= --nnodes) to make each node a site",
                   file=sys.stderr)
     import torch.distributed as dist
-    from .launch import init_from_env
+    from .launch import exit_process, init_from_env
     from .optimizers import learning_rate
     from .worker import PeerFailure, train_worker
     from .run import prepare
@@ -192,3 +192,4 @@ def torchrun_main(argv=None) -> None:
             report(cfg, logs, world, Path(args.out), latency, opts.target)
     finally:
         dist.destroy_process_group()
+    exit_process(0)                             # not finalizing: see launch.exit_process

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,22 @@ def _entry(rank: int, fn, world_size: int, rendezvous: str, threads: int, args: 
         raise
     finally:
         dist.destroy_process_group()
+    exit_process(0)
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this worker now, skipping the interpreter's finalization.
+
+    Python (before 3.14) ends a thread that asks for the GIL while the interpreter finalizes
+    with pthread_exit. A gloo thread finishing a collective whose tensors Python no longer
+    holds takes the GIL to free them; caught by pthread_exit it unwinds through a noexcept
+    frame: 'terminate called without an active exception', SIGABRT, after a run that had
+    succeeded (benchmarks/abort_stress.py --exit-race shows it). destroy_process_group()
+    does not join those threads while anything holds the group (torch.optim's optimizers
+    do), so not finalizing is the fix. Whatever the worker wrote is closed before this."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _die_with_parent() -> None:
