@@ -131,19 +131,51 @@ class WorkerDied(RuntimeError):
 def init_from_env(timeout: float | None = None) -> tuple[int, int]:
     """Join the group torchrun describes (NCCL when CUDA is available, else gloo); a collective
     waits `timeout` seconds for its peers (default DEFAULT_PEER_TIMEOUT)."""
+    # torchrun starts each worker in a session of its own: without this a worker whose agent
+    # was killed trains on, holding the group its agent can no longer restart or leave.
+    _die_with_parent()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     wait = timedelta(seconds=timeout or DEFAULT_PEER_TIMEOUT)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's agent keeps one store across restarts: without a prefix per attempt a
-        # restarted worker can read the dead group's gloo addresses and fail to connect.
+        # torchrun's agent keeps one store across restarts and rendezvous rounds: a prefix
+        # no earlier group used keeps a restarted worker from reading the dead group's gloo
+        # addresses (TORCHELASTIC_RESTART_COUNT cannot be it: it differs between agents
+        # once one has restarted, and does not change when a node joins).
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                               timeout=wait)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend, store=dist.PrefixStore(f"thinwire/attempt_{attempt}/", store), rank=rank,
-                                world_size=world, timeout=wait)
+        prefix = fresh_prefix(store, rank, world, wait.total_seconds())
+        dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world,
+                                timeout=wait)
     else:
         dist.init_process_group(backend, timeout=wait)
     return dist.get_rank(), dist.get_world_size()
+
+
+def fresh_prefix(store, rank: int, world: int, timeout: float) -> str:
+    """A store key prefix that every rank of this group gets and no earlier group used.
+    Rank 0 draws a new generation g; rank k > 0 asks for it under a token of its own (keys
+    left by an earlier group's rank k are answered too, harmlessly) and confirms; rank 0
+    answers until all world - 1 have confirmed g, which only this group's ranks can do."""
+    if rank > 0:
+        token = store.add("thinwire/tokens", 1)
+        store.set(f"thinwire/ask/{rank}", str(token))
+        g = int(store.get(f"thinwire/answer/{token}"))             # waits up to the store's timeout
+        store.add(f"thinwire/gen_{g}/confirmed", 1)
+        return f"thinwire/gen_{g}/"
+    g, answered = store.add("thinwire/generation", 1), set()
+    deadline = time.monotonic() + timeout
+    while store.add(f"thinwire/gen_{g}/confirmed", 0) < world - 1:
+        for k in range(1, world):
+            if store.check([f"thinwire/ask/{k}"]):
+                token = store.get(f"thinwire/ask/{k}").decode()
+                if token not in answered:
+                    store.set(f"thinwire/answer/{token}", str(g))
+                    answered.add(token)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 of {world}: not every rank joined generation {g} of the agent's store "
+                               f"within {timeout:g} s")
+        time.sleep(0.02)
+    return f"thinwire/gen_{g}/"

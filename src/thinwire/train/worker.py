@@ -124,7 +124,8 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
     A resumed run logs one "resume" record (written with its first step): the step and
     checkpoint it resumed from, the old and new world size, how per-rank state was mapped,
     the checkpoint's load time and `time_to_recover_s`, from `started` (time.time() when the
-    launching command started; default: this worker process's start) to the end of that first step."""
+    launching command started; default: this worker process's start) to the end of that first step,
+    and `first_step_at`, the time.time() of that end."""
     started = process_started() if started is None else started
     install()                                       # time what the Communicator waits on
     checkpoint_dir = str(checkpoint_root(options.out_dir)) if options.writes_checkpoints else None
@@ -161,7 +162,8 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
             x, y = (t.to(device) for t in train_batch(train_ids, cfg, step - 1, rank, world))
             rec = _timed_step(built, sched, x, y, fsdp, last=(step == cfg.steps))
             if resumed is not None:
-                _write(log, {**resumed, "time_to_recover_s": time.time() - started})
+                now = time.time()                  # first_step_at: wall clock, to time a recovery from outside
+                _write(log, {**resumed, "time_to_recover_s": now - started, "first_step_at": now})
                 resumed = None
             inter_steps.append((rec["payload_bytes"], rec["link_bytes_sent"], rec["link_bytes_received"]))
             _write(log, {"kind": "step", "step": step, **rec})
@@ -172,6 +174,7 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
                 bar.note(val)
             if checkpoint_dir and ((checkpoint_every and step % checkpoint_every == 0) or step == cfg.steps):
                 save(checkpoint_dir, step, model, built, sched, meta, rank, extra={"inter_steps": inter_steps})
+            _pace()
         if done >= cfg.steps:                      # resumed at the end: the final evaluation again
             val = evaluate(model, val_ids, starts, cfg, rank, world)
         if resumed is not None:                    # no step left to take
@@ -279,3 +282,11 @@ def _maybe_die(rank: int, step: int) -> None:
     who, when, *how = spec.split(":")
     if int(who) == rank and int(when) == step:
         os.kill(os.getpid(), signal.SIGSTOP if how == ["stop"] else signal.SIGKILL)
+
+
+def _pace() -> None:
+    """Tests and benchmarks: THINWIRE_STEP_SLEEP=SECONDS sleeps after every step, outside its
+    timing, so that tiny's millisecond steps leave time to kill or add a torchrun node mid-run."""
+    pause = float(os.environ.get("THINWIRE_STEP_SLEEP") or 0)
+    if pause > 0:
+        time.sleep(pause)
