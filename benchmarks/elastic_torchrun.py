@@ -58,13 +58,14 @@ def env(step_sleep: float) -> dict:
     return out
 
 
-def agent_cmd(port: int, run_id: str, nproc: int, train: list[str], host: bool = True) -> list[str]:
+def agent_cmd(port: int, run_id: str, nproc: int, train: list[str], host: bool = True,
+              conf: str = RDZV_CONF) -> list[str]:
     """One node: the elastic torchrun command, as README gives it, around `python -m thinwire.train`.
     `host` False: never host the rendezvous endpoint (on one machine every agent's hostname
     matches it and the first to bind it hosts; is_host=false makes that A, as on two machines)."""
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", str(nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", run_id,
-            "--rdzv-conf", RDZV_CONF + ("" if host else ",is_host=false"), "--max-restarts", "3",
+            "--rdzv-conf", ",".join(c for c in (conf, "" if host else "is_host=false") if c), "--max-restarts", "3",
             "-m", "thinwire.train", *train]
 
 
@@ -139,13 +140,16 @@ def resume_to(log: Path, world: int) -> dict | None:
 
 
 def scenario(out: Path, optimizer: str, nproc: int, train: list[str], kill_at: int, join_after: float,
-             step_sleep: float, timeout: float = 300.0) -> dict:
+             step_sleep: float, timeout: float = 300.0, conf: str = RDZV_CONF) -> dict:
     """Run steps 1-4 of the module docstring in `out`; the events' wall-clock times and the log."""
     port, environ, log = free_port(), env(step_sleep), out / f"{optimizer}.jsonl"
     train = ["--optimizer", optimizer, *train, "--out", str(out)]
-    cmd, guest = (agent_cmd(port, f"thinwire-{port}", nproc, train, host) for host in (True, False))
+    cmd, guest = (agent_cmd(port, f"thinwire-{port}", nproc, train, host, conf) for host in (True, False))
     ev = {"start": time.time()}
-    a, b = Agent("A", cmd, environ, out), Agent("B", guest, environ, out)     # A hosts the endpoint
+    # B first: it waits for A's endpoint, so both join the first round well inside its last call
+    b = Agent("B", guest, environ, out)
+    time.sleep(1.0)
+    a = Agent("A", cmd, environ, out)
     agents = [a, b]
     try:
         wait_for("first step", lambda: last_step(log) >= 1, timeout, agents)
@@ -168,6 +172,8 @@ def scenario(out: Path, optimizer: str, nproc: int, train: list[str], kill_at: i
             if x.proc.poll() is None:
                 x.kill()
                 x.wait(60)
+    done = "Rendezvous complete for workers"             # the agents' INFO line (LOGLEVEL=INFO)
+    ev["shrink_rdzv"], ev["grow_rdzv"] = a.first(done, after=ev["kill"]), a.first(done, after=ev["join"])
     ev["records"], ev["agents"] = records(log), {x.name: x.text() for x in agents}
     return ev
 
@@ -187,14 +193,16 @@ def table(ev: dict, nproc: int, reference: float | None) -> str:
 
     def at(t):
         return "" if t is None else f"{t - t0:.1f}"
-    rows = [("start agents A and B", at(t0), f"one run on {2 * nproc} workers"),
+    rows = [("start agents B, then A (1 s later)", at(t0), f"one run on {2 * nproc} workers"),
             ("log shows step 1", at(ev["first_step_seen"]), ""),
             ("SIGKILL agent B's process group", at(ev["kill"]), f"log at step {ev['killed_after_step']}"),
             ("A's workers fail (PeerFailure)", at(err), "" if err is None else f"{err - ev['kill']:.1f} s after the kill"),
+            ("A's agent: rendezvous complete, alone", at(ev["shrink_rdzv"]), ""),
             (f"first step on {nproc} workers", at(shrunk["first_step_at"]),
              f"resumed {shrunk['checkpoint']}; {shrunk['first_step_at'] - ev['kill']:.1f} s after the kill; "
              f"worker start to first step {shrunk['time_to_recover_s']:.1f} s (load {shrunk['load_s']:.2f} s)"),
             ("start agent C", at(ev["join"]), ""),
+            ("A's agent: rendezvous complete, with C", at(ev["grow_rdzv"]), ""),
             (f"first step on {2 * nproc} workers", at(grown["first_step_at"]),
              f"resumed {grown['checkpoint']}; {grown['first_step_at'] - ev['join']:.1f} s after C started; "
              f"worker start to first step {grown['time_to_recover_s']:.1f} s (load {grown['load_s']:.2f} s)"),
@@ -225,6 +233,8 @@ def main() -> None:
     p.add_argument("--join-after", type=float, default=2.0, help="start agent C this long after the first "
                    "step on the smaller world (seconds)")
     p.add_argument("--step-sleep", type=float, default=0.25, help="THINWIRE_STEP_SLEEP (seconds)")
+    p.add_argument("--rdzv-conf", default=RDZV_CONF, help=f"torchrun --rdzv-conf ('' for torch's defaults; "
+                   f"default {RDZV_CONF})")
     p.add_argument("--no-reference", action="store_true", help="skip the uninterrupted run")
     p.add_argument("--out", help="directory to keep (default: a temporary one)")
     args = p.parse_args()
@@ -233,7 +243,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.out or tmp)
         (root / "run").mkdir(parents=True, exist_ok=True)
-        ev = scenario(root / "run", args.optimizer, args.nproc, train, args.kill_at, args.join_after, args.step_sleep)
+        ev = scenario(root / "run", args.optimizer, args.nproc, train, args.kill_at, args.join_after, args.step_sleep,
+                      conf=args.rdzv_conf)
         ref = None if args.no_reference else reference_loss(root / "reference", args.optimizer, 2 * args.nproc, base)
         print(table(ev, args.nproc, ref))
 
