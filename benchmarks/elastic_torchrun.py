@@ -1,15 +1,17 @@
 """torchrun's elastic rendezvous on localhost (issue 27): a node leaves, a node joins.
 
-    python benchmarks/elastic_torchrun.py                     # DeMo, tiny, 60 steps, 2 agents x 2 workers
-    python benchmarks/elastic_torchrun.py --nproc 1 --steps 24 --checkpoint-every 4 --no-reference
+    python benchmarks/elastic_torchrun.py                   # DeMo, tiny, 60 steps, 2 agents x 2 workers
+    python benchmarks/elastic_torchrun.py --rdzv-conf ''    # torch's default rendezvous timers
+    python benchmarks/elastic_torchrun.py --nproc 1 --steps 60 --checkpoint-every 5 --kill-at 8 --no-reference
 
 Three `torchrun --nnodes 1:2 --rdzv-backend c10d` agents ("nodes") on this machine, each a
 process group of its own (start_new_session), share one rendezvous and one --out:
-  1. agents A (it hosts the rendezvous endpoint; B and C are told not to) and B start:
-     one run on 2 x nproc workers;
-  2. once the log shows step `--kill-at`, B's process group (the agent and its workers) gets
-     SIGKILL; A's workers fail on their next collective (PeerFailure), A's agent re-rendezvouses
-     alone and restarts them on nproc workers, which resume from the latest complete checkpoint;
+  1. agent B, then A 1 s later (A hosts the rendezvous endpoint; B and C are told not to, and
+     B waits for it): one run on 2 x nproc workers;
+  2. once the log shows step `--kill-at`, B's process group (the agent) gets SIGKILL, and its
+     workers die with it (PR_SET_PDEATHSIG, launch.init_from_env); A's workers fail on their
+     next collective (PeerFailure), A's agent re-rendezvouses alone and restarts them on nproc
+     workers, which resume from the latest complete checkpoint;
   3. `--join-after` seconds after their first step, agent C starts; A's agent sees a node
      waiting at its next monitoring interval, stops its workers and restarts the group with C
      on 2 x nproc workers, which resume from the latest checkpoint again;
