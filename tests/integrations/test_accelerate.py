@@ -10,14 +10,13 @@ processes:
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.integrations.launch import differs, finish, read_wire, torchrun
 from tests.optim.registry import HANDSHAKE, dense_bytes
 from tests.train.shared import train_env
 from thinwire.train.config import get_preset
@@ -29,15 +28,8 @@ RUNS = {"demo": (20, 10), "lordo": (20, 10)}
 
 
 def _torchrun(optimizer: str, out: Path, *flags: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
-           "--optimizer", optimizer, "--steps", str(RUNS[optimizer][0]), "--out", str(out), *flags]
-    return subprocess.Popen(cmd, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _finish(proc, ok: bool = True) -> str:
-    text = proc.communicate(timeout=240)[0]
-    assert (proc.returncode == 0) == ok, text[-3000:]
-    return text
+    return torchrun(EXAMPLE, "--optimizer", optimizer, "--steps", str(RUNS[optimizer][0]), "--out", str(out),
+                    *flags, env=train_env())
 
 
 @pytest.fixture(scope="module")
@@ -49,17 +41,13 @@ def runs(tmp_path_factory):
     first += [(_torchrun(n, d["killed"], "--save-at", str(RUNS[n][1]), "--kill-after-save"), False)
               for n, d in dirs.items()]
     for proc, ok in first:
-        _finish(proc, ok)
+        finish(proc, ok)
     second = [_torchrun(n, d["resumed"], "--resume", str(d["killed"] / f"step-{RUNS[n][1]}")) for n, d in dirs.items()]
     dirs["plain"] = root / "plain"
     second.append(_torchrun("demo", dirs["plain"], "--plain-ddp", "--count"))
     for proc in second:
-        _finish(proc)
+        finish(proc)
     return dirs
-
-
-def _wire(directory: Path, rank: int) -> dict:
-    return json.loads((directory / f"wire-rank{rank}.json").read_text())
 
 
 @pytest.mark.parametrize("optimizer", list(RUNS))
@@ -73,7 +61,7 @@ def test_killed_at_save_state_and_resumed_by_load_state_ends_bit_identical(runs,
     saved = torch.load(d["killed"] / f"step-{save_at}" / "custom_checkpoint_0.pkl", weights_only=False)
     assert saved["world"] == 2
     first, second = saved["ranks"]
-    assert _differs(first, second)                                    # rank 1's state is its own
+    assert differs(first, second)                                    # rank 1's state is its own
 
 
 @pytest.mark.parametrize("optimizer", list(RUNS))
@@ -81,7 +69,7 @@ def test_no_gradient_bytes_and_the_optimizer_sends_its_wire_format(runs, optimiz
     steps = RUNS[optimizer][0]
     sizes = [p.numel() for p in build_model(get_preset("tiny")).parameters()]
     for rank in (0, 1):
-        wire = _wire(runs[optimizer]["whole"], rank)
+        wire = read_wire(runs[optimizer]["whole"], rank)
         counted = wire["counter"]
         assert "backward" not in counted                              # not one collective in backward
         assert counted["optimizer_steps"] == steps                    # one step() per 2 micro-batches
@@ -94,15 +82,5 @@ def test_no_gradient_bytes_and_the_optimizer_sends_its_wire_format(runs, optimiz
 def test_accelerate_defaults_send_every_gradient_every_step(runs):
     steps, params = RUNS["demo"][0], sum(p.numel() for p in build_model(get_preset("tiny")).parameters())
     for rank in (0, 1):
-        counted = _wire(runs["plain"], rank)["counter"]
+        counted = read_wire(runs["plain"], rank)["counter"]
         assert sum(op["bytes"] for op in counted["backward"].values()) == steps * 4 * params
-
-
-def _differs(a, b) -> bool:
-    if torch.is_tensor(a):
-        return not torch.equal(a, b)
-    if isinstance(a, dict):
-        return any(_differs(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return any(_differs(x, y) for x, y in zip(a, b))
-    return False

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integrations.launch import differs, finish, read_wire, torchrun
 from tests.optim.registry import HANDSHAKE, dense_bytes
 from tests.train.shared import train_env
 from thinwire.optim.checkpoints import INFLIGHT_KEY
@@ -32,16 +32,8 @@ OPTIMIZERS = ("demo", "lordo")
 
 
 def _torchrun(optimizer: str, out: Path, *flags: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
-           "--optimizer", optimizer, "--steps", str(STEPS), "--out", str(out), *flags]
-    return subprocess.Popen(cmd, env=train_env(HF_HUB_OFFLINE="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def _finish(proc, ok: bool = True) -> str:
-    text = proc.communicate(timeout=300)[0]
-    assert (proc.returncode == 0) == ok, text[-3000:]
-    return text
+    return torchrun(EXAMPLE, "--optimizer", optimizer, "--steps", str(STEPS), "--out", str(out),
+                    *flags, env=train_env(HF_HUB_OFFLINE="1"))
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +48,7 @@ def runs(tmp_path_factory):
               for n in OPTIMIZERS]
     first.append((_torchrun("demo", dirs["plain"], "--plain-ddp", "--count"), True))
     for proc, ok in first:
-        _finish(proc, ok)
+        finish(proc, ok)
     for name in OPTIMIZERS:                                            # they died at the checkpoint
         assert not list(dirs[name]["killed"].glob("params-rank*.pt"))
     dirs["demo"]["resumed"] = root / "demo-resumed"                    # resume_from_checkpoint=<path>
@@ -65,12 +57,8 @@ def runs(tmp_path_factory):
                         str(dirs["demo"]["killed"] / f"checkpoint-{SAVE_AT}")),
               _torchrun("lordo", dirs["lordo"]["resumed"], "--save-at", str(SAVE_AT), "--resume", "last")]
     for proc in second:
-        _finish(proc)
+        finish(proc)
     return dirs
-
-
-def _wire(directory: Path, rank: int) -> dict:
-    return json.loads((directory / f"wire-rank{rank}.json").read_text())
 
 
 def _params(directory: Path, rank: int) -> torch.Tensor:
@@ -90,10 +78,10 @@ def test_the_checkpoint_holds_each_ranks_own_state(runs, optimizer):
     checkpoint = runs[optimizer]["killed"] / f"checkpoint-{SAVE_AT}"
     own = [torch.load(checkpoint / f"thinwire-rank{r}.pt", weights_only=True) for r in (0, 1)]
     trainers = torch.load(checkpoint / "optimizer.pt", weights_only=True)      # what Trainer loads on every rank
-    assert not _differs(trainers["state"], own[0]["optimizer"]["state"])       # it is rank 0's
-    assert _differs(own[0]["optimizer"]["state"], own[1]["optimizer"]["state"])  # rank 1's is its own
+    assert not differs(trainers["state"], own[0]["optimizer"]["state"])       # it is rank 0's
+    assert differs(own[0]["optimizer"]["state"], own[1]["optimizer"]["state"])  # rank 1's is its own
     if optimizer == "lordo":                                                   # between syncs: own replicas
-        assert _differs(own[0]["params"], own[1]["params"])
+        assert differs(own[0]["params"], own[1]["params"])
     else:                                                                      # overlap: saved in flight, not flushed
         assert all(INFLIGHT_KEY in state["optimizer"] for state in own)
     assert all((checkpoint / f"rng_state_{r}.pth").is_file() for r in (0, 1))  # Trainer's per-rank RNG
@@ -112,7 +100,7 @@ def test_training_ends_with_the_step_in_flight_landed(runs, optimizer):
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_no_gradient_bytes_and_the_optimizer_sends_its_wire_format(runs, optimizer):
     for rank in (0, 1):
-        wire = _wire(runs[optimizer]["whole"], rank)
+        wire = read_wire(runs[optimizer]["whole"], rank)
         counted = wire["counter"]
         assert "backward" not in counted                                       # not one collective in backward
         assert counted["optimizer_steps"] == STEPS                             # one step() per 2 micro-batches
@@ -126,7 +114,7 @@ def test_no_gradient_bytes_and_the_optimizer_sends_its_wire_format(runs, optimiz
 def test_a_plain_trainer_sends_every_gradient_every_step(runs):
     params = sum(p.numel() for p in _llama().parameters())
     for rank in (0, 1):
-        counted = _wire(runs["plain"], rank)["counter"]
+        counted = read_wire(runs["plain"], rank)["counter"]
         assert sum(op["bytes"] for op in counted["backward"].values()) == STEPS * 4 * params
 
 
@@ -175,13 +163,3 @@ def test_a_resume_without_this_ranks_state_is_refused(tmp_path):
 
 def _llama():
     return _example().build_model()
-
-
-def _differs(a, b) -> bool:
-    if torch.is_tensor(a):
-        return not torch.equal(a, b)
-    if isinstance(a, dict):
-        return any(_differs(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return any(_differs(x, y) for x, y in zip(a, b))
-    return False

@@ -13,9 +13,7 @@ checkpoint and at the end of fitting) and APMSqueeze:
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ import torch
 
 pytest.importorskip("lightning")
 
+from tests.integrations.launch import differs, finish, read_wire, torchrun  # noqa: E402
 from tests.optim.registry import APM_WARMUP, HANDSHAKE, dense_bytes, onebit_bytes  # noqa: E402
 from tests.train.shared import train_env  # noqa: E402
 from thinwire.optim.checkpoints import INFLIGHT_KEY  # noqa: E402
@@ -35,15 +34,8 @@ OPTIMIZERS = ("demo-overlap", "apmsqueeze")
 
 
 def _torchrun(optimizer: str, out: Path, *flags: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
-           "--optimizer", optimizer, "--steps", str(STEPS), "--save-at", str(SAVE_AT), "--out", str(out), *flags]
-    return subprocess.Popen(cmd, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _finish(proc, ok: bool = True) -> str:
-    text = proc.communicate(timeout=300)[0]
-    assert (proc.returncode == 0) == ok, text[-3000:]
-    return text
+    return torchrun(EXAMPLE, "--optimizer", optimizer, "--steps", str(STEPS), "--save-at", str(SAVE_AT),
+                    "--out", str(out), *flags, env=train_env())
 
 
 @pytest.fixture(scope="module")
@@ -57,22 +49,18 @@ def runs(tmp_path_factory):
     first += [(_torchrun(n, dirs[n]["killed"], "--kill-after-save"), False) for n in OPTIMIZERS]
     first.append((_torchrun("apmsqueeze", dirs["plain"]["whole"], "--plain-ddp", "--count"), True))
     for proc, ok in first:
-        _finish(proc, ok)
+        finish(proc, ok)
     second = [(_torchrun(n, dirs[n]["resumed"], "--resume", str(dirs[n]["killed"] / f"step-{SAVE_AT}.ckpt")), True)
               for n in OPTIMIZERS]
     second.append((_torchrun("apmsqueeze", dirs["plain"]["resumed"], "--plain-ddp", "--resume",
                              str(dirs["plain"]["whole"] / f"step-{SAVE_AT}.ckpt")), False))
-    logs = [_finish(proc, ok) for proc, ok in second]
+    logs = [finish(proc, ok) for proc, ok in second]
     dirs["plain"]["resume_log"] = logs[-1]
     return dirs
 
 
 def _sizes() -> list[int]:
     return [p.numel() for p in build_model(get_preset("tiny")).parameters()]
-
-
-def _wire(directory: Path, rank: int) -> dict:
-    return json.loads((directory / f"wire-rank{rank}.json").read_text())
 
 
 def _bytes(counted: dict, label: str) -> int:
@@ -82,7 +70,7 @@ def _bytes(counted: dict, label: str) -> int:
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_no_gradient_bytes_and_the_optimizer_sends_its_wire_format(runs, optimizer):
     for rank in (0, 1):
-        wire = _wire(runs[optimizer]["whole"], rank)
+        wire = read_wire(runs[optimizer]["whole"], rank)
         counted = wire["counter"]
         assert "backward" not in counted                              # not one collective in backward
         assert counted["optimizer_steps"] == STEPS                    # one step() per 2 micro-batches
@@ -97,7 +85,7 @@ def test_no_gradient_bytes_and_the_optimizer_sends_its_wire_format(runs, optimiz
 def test_plain_ddp_strategy_sends_every_gradient_every_step(runs):
     params = sum(_sizes())
     for rank in (0, 1):
-        counted = _wire(runs["plain"]["whole"], rank)["counter"]
+        counted = read_wire(runs["plain"]["whole"], rank)["counter"]
         assert _bytes(counted, "backward") == STEPS * 4 * params
 
 
@@ -113,7 +101,7 @@ def test_killed_at_checkpoint_and_resumed_by_fit_ends_bit_identical(runs, optimi
     saved = torch.load(d["killed"] / f"step-{SAVE_AT}.ckpt", weights_only=False)["optimizer_states"]
     assert len(saved) == 1 and saved[0]["world"] == 2
     first, second = saved[0]["ranks"]
-    assert _differs(first, second)                                    # rank 1's state is its own
+    assert differs(first, second)                                    # rank 1's state is its own
     assert (INFLIGHT_KEY in first) == optimizer.endswith("overlap")   # a checkpoint observes, never flushes
 
 
@@ -133,13 +121,3 @@ def test_strategy_refuses_gradient_communication_and_untested_lightning():
         with pytest.raises(RuntimeError, match="lightning >= 2.4, < 2.7"):
             check_lightning_version(version)
     check_lightning_version("2.4.0")
-
-
-def _differs(a, b) -> bool:
-    if torch.is_tensor(a):
-        return not torch.equal(a, b)
-    if isinstance(a, dict):
-        return any(_differs(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return any(_differs(x, y) for x, y in zip(a, b))
-    return False
