@@ -137,6 +137,9 @@ REGISTRY: dict[str, Config] = {
     # SparseLoCo: its bytes depend on the chunk geometry of each shape: see sparseloco_bytes below
     "sparseloco": Config(lambda ps, **kw: _sparseloco(ps, **kw), SYNC_EVERY, None),
     "sparseloco-overlap": Config(lambda ps, **kw: _sparseloco(ps, overlap=True, **kw), SYNC_EVERY, None, 1),
+    # delay = K: each sync lands a whole interval later, the replicas keeping their local steps
+    "sparseloco-delayed": Config(lambda ps, **kw: _sparseloco(ps, overlap=True, delay=SYNC_EVERY, **kw), SYNC_EVERY,
+                                 None, SYNC_EVERY),
 }
 
 
@@ -321,6 +324,8 @@ VARIANTS: dict[str, Config] = {
     "diloco-sgd": variant(lambda ps, **kw: _diloco(ps, sgd=True, **kw), delta_sync_counters("fp32"), (1, 2), every=10),
     "diloco-bf16": variant(lambda ps, **kw: _diloco(ps, wire="bf16", **kw), delta_sync_counters("bf16"), (1, 2),
                            every=10),
+    "diloco-delayed": variant(lambda ps, **kw: _diloco(ps, overlap=True, delay=7, **kw), delta_sync_counters("fp32"),
+                              (1, 2), every=10),
     "diloco-int8-skip": variant(lambda ps, **kw: _diloco(ps, wire="int8", nonfinite="skip", **kw),
                                 delta_sync_counters("int8"), (1, 2), every=10),
     # SparseLoCo on DCT coefficients, int8 values (a scale per chunk), the reference's mean over senders

@@ -23,12 +23,14 @@ MID, END = 12, 16                   # steps after the 2-rank and the 3-rank legs
 HAND = {(4, 2): [[.5, .5, 0, 0], [0, 0, .5, .5]], (2, 3): [[1, 0], [.5, .5], [0, 1]]}
 
 
-def _build(overlap: bool):
+def _build(**kw):
     return lambda ps: thinwire.SparseLoCo(ps, inner=lambda q: torch.optim.AdamW(q, lr=1e-2), sync_every=4, topk=64,
-                                          chunk=16, overlap=overlap)
+                                          chunk=16, **kw)
 
 
-CASES = {"sparseloco": (_build(False), 7), "sparseloco-overlap": (_build(True), 8)}   # 8: the sync of step 8 in flight
+CASES = {"sparseloco": (_build(), 7),
+         "sparseloco-overlap": (_build(overlap=True), 8),                   # the sync of step 8 in flight
+         "sparseloco-delayed": (_build(overlap=True, delay=4), 10)}         # that of step 8, 2 local steps since
 
 
 def _old_run(rank: int, world: int) -> dict:
@@ -89,7 +91,7 @@ def test_remapped_state_follows_the_policy_4_to_2_and_2_to_3(runs, name):
     olds = [o[name][0] for o in old]
     assert all(o["outer"][0]["error"].abs().sum() > 0 for o in olds)         # a real residual, per rank
     assert not torch.equal(olds[0]["outer"][0]["error"], olds[1]["outer"][0]["error"])
-    assert (INFLIGHT_KEY in olds[0]) == (name == "sparseloco-overlap")
+    assert (INFLIGHT_KEY in olds[0]) == (name != "sparseloco")
     for j, leg in enumerate(mid):
         _check(olds, leg[name]["remapped"], HAND[(4, 2)][j])
     for j, leg in enumerate(end):

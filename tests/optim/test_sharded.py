@@ -102,7 +102,8 @@ NEWTON_SCHULZ = {"dense-muon": 5e-3, "ef21-server": 5e-3, "ef21-replicated": 5e-
 # The 1-bit scale is one per chunk of a rank's flat momentum, and SparseLoCo's 2-bit levels one
 # set per tensor, that is per shard, so a shard's message is not the whole's by design; the
 # two-tier tests above cover these configurations.
-NOT_THE_WHOLE = {"apmsqueeze-compressed", "apmsqueeze-compressed-overlap", "sparseloco", "sparseloco-overlap"}
+NOT_THE_WHOLE = {"apmsqueeze-compressed", "apmsqueeze-compressed-overlap", "sparseloco", "sparseloco-overlap",
+                 "sparseloco-delayed"}
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n not in NOT_THE_WHOLE])

@@ -84,38 +84,54 @@ def compress(x: torch.Tensor) -> torch.Tensor:
     return out[: plan.rows, : plan.cols].reshape(x.shape)
 
 
-def reference(world: int) -> dict:
-    """R replicas: parameters after every sync, and each replica's e after the last."""
+def reference(world: int, delay: int = 0) -> dict:
+    """R replicas: θ₀ after every step, each replica's parameters and e at the end. delay τ > 0
+    (overlap): the sync of step s lands at the start of step s + τ (after its gradient, before
+    its local step), or at the end, and each replica keeps what it did since: θ ← θ₀ + (θ − θ_s)."""
     models = [problem.make_model() for _ in range(world)]
     inners = [_adamw(list(m.parameters())) for m in models]
     anchor = [p.detach().clone() for p in models[0].parameters()]
     errors = [[torch.zeros_like(p) for p in anchor] for _ in range(world)]
-    synced = []
-    for step in range(STEPS):
-        for r, (model, inner) in enumerate(zip(models, inners)):
-            problem.loss_on(model, *problem.batch(r, step)).backward()
-            inner.step()
-            inner.zero_grad()
-        if step not in SYNCS:
-            continue
-        sent = []
-        for r, model in enumerate(models):
-            mine = []
-            for i, p in enumerate(model.parameters()):
-                delta = anchor[i] - p.detach()                               # Δ = θ₀ − θ_r
-                e = torch.add(delta, errors[r][i], alpha=BETA)               # e = β e + Δ (the same float op)
-                mine.append(compress(e))                                     # Δ̂ = Q(TopK(e))
-                errors[r][i] = e - mine[-1]                                  # e ← e − Δ̂
-            sent.append(mine)
+    anchors, in_flight = [], None                                            # (step it lands, Δ̂ per rank, θ_s)
+
+    def land(sent, launched):
         for i in range(len(anchor)):
             total = torch.zeros_like(anchor[i])
             for r in range(world):                                           # rank order
                 total = total + sent[r][i]
             anchor[i] = anchor[i] - (total / world) * ALPHA                  # θ₀ ← θ₀ − α Δ̄
-        for model in models:
-            torch.nn.utils.vector_to_parameters(torch.cat([a.reshape(-1) for a in anchor]), model.parameters())
-        synced.append(torch.cat([a.reshape(-1) for a in anchor]))
-    return {"synced": synced, "errors": [torch.cat([e.reshape(-1) for e in errs]) for errs in errors]}
+        for r, model in enumerate(models):
+            for i, p in enumerate(model.parameters()):                       # θ ← θ₀ (+ θ − θ_s)
+                p.data = anchor[i].clone() if launched is None else anchor[i] + (p.detach() - launched[r][i])
+
+    for step in range(STEPS):
+        for r, model in enumerate(models):
+            problem.loss_on(model, *problem.batch(r, step)).backward()
+        if in_flight and in_flight[0] == step:
+            land(*in_flight[1:])
+            in_flight = None
+        for inner in inners:
+            inner.step()
+            inner.zero_grad()
+        if step in SYNCS:
+            sent = []
+            for r, model in enumerate(models):
+                mine = []
+                for i, p in enumerate(model.parameters()):
+                    delta = anchor[i] - p.detach()                           # Δ = θ₀ − θ_r
+                    e = torch.add(delta, errors[r][i], alpha=BETA)           # e = β e + Δ (the same float op)
+                    mine.append(compress(e))                                 # Δ̂ = Q(TopK(e))
+                    errors[r][i] = e - mine[-1]                              # e ← e − Δ̂
+                sent.append(mine)
+            if delay:
+                in_flight = (step + delay, sent, [[p.detach().clone() for p in m.parameters()] for m in models])
+            else:
+                land(sent, None)
+        anchors.append(torch.cat([a.reshape(-1) for a in anchor]))
+    if in_flight:
+        land(*in_flight[1:])                                                 # flush()
+    return {"anchors": anchors, "final": [problem.flat_params(m) for m in models],
+            "errors": [torch.cat([e.reshape(-1) for e in errs]) for errs in errors]}
 
 
 # ---- what each rank runs ---------------------------------------------------------------------
@@ -144,7 +160,7 @@ def _run(rank: int, make, steps: int = STEPS, nan_at: int | None = None) -> dict
         anchors.append(torch.cat([opt.state[p]["anchor"].reshape(-1) for p in opt.params]))
         errors.append(_errors(opt))
     opt.flush()
-    return {"params": params, "sent": sent, "errors": errors, "final": problem.flat_params(model),
+    return {"params": params, "sent": sent, "errors": errors, "final": problem.flat_params(model), "error": _errors(opt),
             "anchors": anchors, "last": opt.comm_stats.last_step.as_dict()}
 
 
@@ -202,6 +218,12 @@ def checks(rank: int, world: int) -> dict:
         "resumed": _resumed(rank, 4),
         "resumed_in_flight": _resumed(rank, 6, overlap=True),
         "nan": _run(rank, lambda ps: _sparseloco(ps, nonfinite="skip"), steps=6, nan_at=5),
+        **{f"delay{d}": _run(rank, lambda ps, d=d: _sparseloco(ps, overlap=True, delay=d)) for d in (2, H)},
+        **{f"reference{d}": reference(world, d) for d in (2, H)},
+        "resumed_delayed": _resumed(rank, 4, overlap=True, delay=H),      # the sync of step 3 in flight
+        "full_delayed": _run(rank, lambda ps: _sparseloco(ps, **plain, overlap=True, delay=H)),
+        "diloco_delayed": _run(rank, lambda ps: DiLoCo(ps, inner=_adamw, sync_every=H, outer_lr=1.0,
+                                                       outer_momentum=0.0, overlap=True, delay=H)),
     }
 
 
@@ -214,8 +236,8 @@ def test_every_sync_matches_the_reference_bit_for_bit(outcome):
     world, ranks = outcome
     for rank, r in enumerate(ranks):
         ref = r["reference"]                          # the same on every rank: each computed its own
-        for n, step in enumerate(SYNCS):
-            assert torch.equal(r["run"]["params"][step], ref["synced"][n]), (rank, step)
+        for step in SYNCS:
+            assert torch.equal(r["run"]["params"][step], ref["anchors"][step]), (rank, step)
         assert torch.equal(r["run"]["errors"][-1], ref["errors"][rank])
 
 
@@ -275,11 +297,59 @@ def test_a_skipped_sync_moves_no_anchor_and_no_error(outcome):
         assert torch.isfinite(nan["final"]).all()
 
 
+@pytest.mark.parametrize("delay", [2, H])
+def test_a_delayed_sync_matches_the_reference_bit_for_bit(outcome, delay):
+    """delay τ: θ₀ after every step, each replica at the end and its e, against the reference's
+    landing at step s + τ with the replica's own local steps kept."""
+    _, ranks = outcome
+    for rank, r in enumerate(ranks):
+        run, ref = r[f"delay{delay}"], r[f"reference{delay}"]
+        for step in range(STEPS):
+            assert torch.equal(run["anchors"][step], ref["anchors"][step]), (rank, step)
+        assert torch.equal(run["final"], ref["final"][rank])
+        assert torch.equal(run["error"], ref["errors"][rank])               # after flush(): the last sync landed
+
+
+def test_a_delayed_sync_leaves_at_its_step_and_lands_later(outcome):
+    """The bytes still leave at the sync's own step; θ₀ moves τ steps later, the same on every
+    rank, while each replica keeps its own local steps (they differ where plain syncs do not)."""
+    world, ranks = outcome
+    for r in ranks:
+        run = r[f"delay{H}"]
+        assert run["sent"] == r["run"]["sent"]
+        assert torch.equal(run["anchors"][SYNCS[0]], run["anchors"][0])              # not landed yet
+        assert not torch.equal(run["anchors"][SYNCS[0] + H], run["anchors"][SYNCS[0]])
+    for step in range(STEPS):
+        assert all(torch.equal(r[f"delay{H}"]["anchors"][step], ranks[0][f"delay{H}"]["anchors"][step])
+                   for r in ranks)
+    assert not torch.equal(ranks[0][f"delay{H}"]["params"][SYNCS[0] + H],
+                           ranks[1][f"delay{H}"]["params"][SYNCS[0] + H])
+
+
+def test_resume_with_a_delayed_sync_in_flight_is_bit_identical(outcome):
+    _, ranks = outcome
+    for r in ranks:
+        assert torch.equal(r["resumed_delayed"], r[f"delay{H}"]["final"])
+
+
+def test_delayed_full_density_is_delayed_plain_averaging(outcome):
+    world, ranks = outcome
+    for r in ranks:
+        full, diloco = r["full_delayed"], r["diloco_delayed"]
+        for step in range(STEPS):
+            if world == 2:
+                assert torch.equal(full["anchors"][step], diloco["anchors"][step]), step
+            else:
+                torch.testing.assert_close(full["anchors"][step], diloco["anchors"][step], rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("kwargs, name", [
     ({"sync_every": 0}, "sync_every"), ({"topk": 0}, "topk"), ({"topk": 1.5}, "topk"), ({"topk": 257}, "topk"),
     ({"chunk": 0}, "chunk"), ({"values": "sign"}, "values"), ({"transform": "random"}, "transform"),
     ({"error_decay": 1.5}, "error_decay"), ({"error_decay": -0.1}, "error_decay"), ({"outer_lr": 0.0}, "outer_lr"),
     ({"aggregate": "sum"}, "aggregate"), ({"nonfinite": "ignore"}, "nonfinite"), ({"overlap": 1}, "overlap"),
+    ({"delay": 2}, "delay"), ({"delay": 0, "overlap": True}, "delay"), ({"delay": 4, "sync_every": 3, "overlap": True}, "delay"),
+    ({"delay": 1.0, "overlap": True}, "delay"),
     ({"inner": lambda ps: 3}, "inner"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, name):

@@ -30,7 +30,8 @@ def run(tiny_compare):
 def test_every_registered_optimizer_is_compared():
     overlap = {f"{n}-overlap" for n in ("demo", "ef21-muon", "apmsqueeze", "lordo", "diloco", "sparseloco")}
     others = {"powersgd", "demo", "adamw-allreduce", "adam-allreduce", "demo-lookahead"}   # test_cli.py, test_overlap_harness.py
-    assert set(OPTIMIZERS) == set(NAMES) | {"sparseloco"} | others | overlap
+    delayed = {"diloco-delayed", "sparseloco-delayed"}                  # sparseloco-delayed: below
+    assert set(OPTIMIZERS) == set(NAMES) | {"sparseloco"} | others | overlap | delayed
 
 
 def test_each_trains(run):
@@ -110,3 +111,14 @@ def test_sparseloco_sends_its_wire_format_at_syncs_only(tiny_compare):
         assert s["payload_bytes"] == (per_sync if sync else 0) + (HANDSHAKE if s["step"] == 1 else 0), s
         assert s["collectives"] == int(sync) + int(s["step"] == 1)
     assert steps[0]["loss"] > 5.0 and row["val_loss"] < 5.0
+
+
+def test_sparseloco_delayed_sends_the_same_syncs_and_trains(tiny_compare):
+    """delay = H (here 8): every sync leaves at its own step with the bytes of a plain one and
+    lands a whole interval later, so the run sends what `sparseloco` sends, step by step, and
+    trains as far (the same 5.0 bound: three sparse syncs in 24 steps)."""
+    delayed, plain = tiny_compare["logs"]["sparseloco-delayed"]["step"], tiny_compare["logs"]["sparseloco"]["step"]
+    assert [(s["payload_bytes"], s["collectives"]) for s in delayed] == \
+        [(s["payload_bytes"], s["collectives"]) for s in plain]
+    assert delayed[0]["loss"] > 5.0 and tiny_compare["rows"]["sparseloco-delayed"]["val_loss"] < 5.0
+    assert tiny_compare["rows"]["sparseloco-delayed"]["val_loss"] != tiny_compare["rows"]["sparseloco"]["val_loss"]

@@ -51,6 +51,16 @@ def test_overlap_reaches_every_thinwire_optimizer():
             assert get_optimizer(f"{name}-overlap").build(build_model(cfg), cfg, 1e-3).optimizer.overlap is True
 
 
+def test_delayed_entries_keep_each_sync_in_flight_for_a_whole_interval():
+    cfg = replace(get_preset("tiny"), sync_every=5)
+    for name in ("diloco", "sparseloco"):
+        spec = get_optimizer(f"{name}-delayed")
+        assert spec.overlap and spec.on_shards and spec.default_lr == get_optimizer(name).default_lr
+        opt = spec.build(build_model(cfg), cfg, 1e-3).optimizer
+        assert (opt.overlap, opt.delay, opt.sync_every) == (True, 5, 5), name
+        assert get_optimizer(name).build(build_model(cfg), cfg, 1e-3).optimizer.delay == 1
+
+
 def _ddp_run(rank, world, calibrate: bool):
     from thinwire.train.data import train_batch
     from thinwire.train.worker import _timed_step
@@ -120,7 +130,7 @@ def test_rows_carry_the_limit(runs):
         assert row["dense_limit_s"] == limit and row["dense_limit_of"] == "adamw"
         measured = row["time_to_target_s"]["measured"]
         assert row["ratio_to_dense_limit"] == (None if measured is None else pytest.approx(measured / limit))
-        assert row["overlap"] == (name.endswith("-overlap") or name == "demo-lookahead")
+        assert row["overlap"] == (name.endswith(("-overlap", "-delayed")) or name == "demo-lookahead")
 
 
 def test_ddp_and_allreduce_baselines(runs):

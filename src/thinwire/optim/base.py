@@ -137,6 +137,12 @@ class CommunicatingOptimizer(EnvelopeCheckpoints, torch.optim.Optimizer):
         exchange in flight will deliver (they are put back exactly before it lands)."""
         raise NotImplementedError(f"{type(self).__name__} has no lookahead estimate")
 
+    def _landing_step(self, record: InFlight) -> int:
+        """overlap: the step whose step() call lands `record`'s exchange, before its own update
+        (default: the next one). A later one leaves the exchange in flight across local steps
+        (no exchange of their own) until then (`PeriodicAveraging`'s delay)."""
+        return record.step + 1
+
     def _local_views(self, p: torch.Tensor) -> list[torch.Tensor]:
         """State of p kept outside self.state[p] that its step may change (default: none)."""
         return []
@@ -191,7 +197,11 @@ class CommunicatingOptimizer(EnvelopeCheckpoints, torch.optim.Optimizer):
         flight also overlaps the apply of the previous one (two briefly in flight)."""
         self._resume()
         self._take_back_lookahead()
-        previous, self._inflight = self._inflight, None
+        previous = self._inflight
+        if previous is not None and max(self._step, previous.step) + 1 < self._landing_step(previous):
+            self._local_step_in_flight(previous)
+            return
+        self._inflight = None
         if previous is None or not self.EARLY_START:
             try:
                 if previous is not None:
@@ -217,6 +227,13 @@ class CommunicatingOptimizer(EnvelopeCheckpoints, torch.optim.Optimizer):
                     if m.key in current.snapshot:
                         current.snapshot[m.key][0].copy_(m.param)
             self._look_ahead()
+
+    def _local_step_in_flight(self, previous: InFlight) -> None:
+        """A step before `previous` is due to land: a local step, its exchange left in flight."""
+        self._step = max(self._step, previous.step)
+        if self._begin(self._step) is not None:
+            raise RuntimeError(f"{type(self).__name__} started an exchange at step {self._step} with the one "
+                               f"of step {previous.step} still in flight: its delay exceeds its interval")
 
     @torch.no_grad()
     def start_step(self) -> None:
@@ -287,7 +304,7 @@ class CommunicatingOptimizer(EnvelopeCheckpoints, torch.optim.Optimizer):
         """`record`'s exchange completed and applied with the settings it started with; a
         flagged step raises NonFiniteGradientError (nonfinite='raise') or is skipped."""
         step, layout = record.step, record.layout
-        self._step = step
+        self._step = max(self._step, step)      # a delayed exchange lands after local steps
         delivery = record.exchange.finish(step)
         try:
             if delivery.flagged:

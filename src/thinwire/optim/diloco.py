@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from .base import Member
-from .periodic import PeriodicAveraging, check_outer, check_sync_every, check_wire
+from .periodic import PeriodicAveraging, check_delay, check_outer, check_sync_every, check_wire
 
 
 class DiLoCo(PeriodicAveraging):
@@ -45,6 +45,9 @@ class DiLoCo(PeriodicAveraging):
             `thinwire.optim.periodic`.
         overlap: True leaves each sync's exchange in flight until the next step() (the
             delayed outer step of `thinwire.optim.periodic`).
+        delay: with overlap, the steps a sync stays in flight (default 1; at most sync_every):
+            it lands at the start of that many steps later, and each replica keeps the local
+            steps it made meanwhile (`thinwire.optim.periodic`).
     Initial parameters must be identical on all ranks (as with DDP's broadcast).
     """
 
@@ -52,17 +55,18 @@ class DiLoCo(PeriodicAveraging):
 
     def __init__(self, params, inner=None, sync_every: int = 32, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, wire: str = "fp32", nonfinite: str = "raise", process_group=None,
-                 overlap: bool = False):
+                 overlap: bool = False, delay: int = 1):
         check_sync_every(sync_every)
         check_outer(outer_lr, outer_momentum)
         check_wire(wire)
+        check_delay(delay, sync_every, overlap)
         self.inner = torch.optim.AdamW(params) if inner is None else inner(params)
         if not isinstance(self.inner, torch.optim.Optimizer):
             raise ValueError(f"inner must build a torch.optim.Optimizer, got {type(self.inner).__name__}")
         self._sharing = True             # torch's __init__ adds the shared groups through add_param_group
         super().__init__(self.inner.param_groups, {})    # shared group dicts: schedulers reach inner
         self._sharing = False
-        self._init_sync(process_group, nonfinite, sync_every, outer_lr, outer_momentum, wire, overlap)
+        self._init_sync(process_group, nonfinite, sync_every, outer_lr, outer_momentum, wire, overlap, delay)
 
     def _local_step(self, step: int, layout: list[Member]) -> None:
         # θ ← inner.step(θ)   (torch optimizers skip parameters without a gradient)

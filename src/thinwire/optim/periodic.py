@@ -42,6 +42,18 @@ step with a delay of one step. Nothing is discarded and no correction is needed:
 local step taken across the delay is the next step's, applied after the average (torchft's
 delay instead restores the pre-sync parameters and drops the local steps made meanwhile).
 
+Delay (`delay=τ`, 1 ≤ τ ≤ H, with overlap): the sync of step s stays in flight across the
+local steps s + 1 ... s + τ − 1 and lands at the start of step s + τ, before its local update
+(τ = 1: the overlap above; τ = H: it lands just before the next sync leaves, a round later,
+streaming DiLoCo's overlap of a whole round). θ₀ and the outer state move as above; each
+replica keeps what it did meanwhile, measured from θ_s (its parameters at step s, kept):
+
+    θ ← θ₀ + (θ − θ_s)                              instead of θ ← θ₀ (the same when τ = 1)
+
+so the next sync's Δ is exactly the local steps since step s. Every rank's θ₀ is bit-identical
+after a landing; the replicas differ by their own local steps, as they do between syncs. A
+checkpoint taken meanwhile keeps θ_s with the sync in flight; `flush()` lands it at once.
+
 Two tiers (FSDP2 shards, `process_group` = the group across sites): Δ, θ₀, the outer step
 and the sync run on this rank's shard, exchanged with the ranks holding it in the other sites.
 """
@@ -86,6 +98,14 @@ def check_outer(outer_lr, outer_momentum) -> None:
         raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
 
 
+def check_delay(delay, sync_every, overlap) -> int:
+    if isinstance(delay, bool) or not isinstance(delay, int) or not 1 <= delay <= sync_every:
+        raise ValueError(f"delay must be an integer in [1, sync_every = {sync_every}], got {delay!r}")
+    if delay > 1 and overlap is not True:
+        raise ValueError(f"delay={delay} keeps a sync in flight across local steps: it needs overlap=True")
+    return delay
+
+
 def check_wire(wire) -> str:
     if wire not in DELTA_WIRES:
         raise ValueError(f"wire must be one of {DELTA_WIRES}, got {wire!r}")
@@ -116,14 +136,16 @@ class PeriodicAveraging(CommunicatingOptimizer):
     kind = "periodic-averaging"
 
     def _init_sync(self, process_group, nonfinite: str, sync_every: int, outer_lr: float,
-                   outer_momentum: float, wire: str, overlap: bool = False) -> None:
+                   outer_momentum: float, wire: str, overlap: bool = False, delay: int = 1) -> None:
         self.sync_every = check_sync_every(sync_every)
+        self.delay = check_delay(delay, sync_every, overlap)
         check_outer(outer_lr, outer_momentum)
         self.outer_lr, self.outer_momentum, self.wire = outer_lr, outer_momentum, check_wire(wire)
         self._init_comm(process_group, nonfinite, overlap)
         self.codec = None if wire == "fp32" else DeltaCodec(wire)
         self._message = ReduceAll(self.comm) if self.codec is None else GatherAll(self.comm)
         self._x = self._unsent = None       # lossy wires: x = Δ + e, and x − decoded(x) until applied
+        self._launched = None               # delay > 1: θ at the sync's step (float32, flat) until it lands
 
     # ---- what the algorithm adds ---------------------------------------------------------
     def _local_step(self, step: int, layout: list[Member]) -> None:
@@ -135,10 +157,40 @@ class PeriodicAveraging(CommunicatingOptimizer):
     def _describe_param(self, group: dict, p: torch.Tensor) -> str:
         return ""
 
+    # ---- the delayed landing (delay > 1) ---------------------------------------------------
+    def _landing_step(self, record) -> int:
+        return record.step + self.delay
+
+    def _launch(self, layout: list[Member]) -> None:
+        """delay > 1: θ_s, every replica parameter at its sync's step, kept until that sync lands."""
+        if self.delay == 1:
+            return
+        n = sum(m.param.numel() for m in layout)
+        self._launched = _reuse(self._launched, n, layout[0].param.device)
+        for m, span in zip(layout, spans(m.param.numel() for m in layout)):
+            span.of(self._launched).view(m.param.shape).copy_(m.param)
+
+    def _rejoin(self, p: torch.Tensor, anchor: torch.Tensor, span: Span) -> None:
+        """θ ← θ₀: the replica joins the new anchor, keeping (delay > 1) the local steps it made
+        while the sync was in flight: θ ← θ₀ + (θ − θ_s) (θ₀ itself when it made none)."""
+        if self.delay == 1:
+            p.copy_(anchor)
+            return
+        local = span.of(self._launched).view(p.shape)
+        # θ − θ_s, then θ₀ + (θ − θ_s), in float32
+        p.copy_(local.neg_().add_(p).add_(anchor))
+
+    def _pending_launch(self) -> dict:
+        return {} if self._launched is None else {"launched": self._launched.clone()}
+
+    def _load_pending_launch(self, record, saved: dict) -> None:
+        if "launched" in saved:
+            self._launched = saved["launched"].to(record.layout[0].param.device).clone()
+
     # ---- the envelope's hooks ------------------------------------------------------------
     def _describe(self, layout: list[Member]) -> str:
         lines = [f"{self.kind} world_size={self.comm.world_size} K={self.sync_every} wire={self.wire} "
-                 f"outer={self.outer_lr},{self.outer_momentum}"]
+                 f"outer={self.outer_lr},{self.outer_momentum} delay={self.delay}"]
         lines += [f"{tuple(p.shape)} {p.dtype} {self._describe_param(g, p)}".rstrip() for g, p, _ in layout]
         return "\n".join(lines)
 
@@ -173,6 +225,7 @@ class PeriodicAveraging(CommunicatingOptimizer):
         self._local_step(step, layout)
         if exchange is None:
             return
+        self._launch(layout)
         slots = slots_of(layout)
         n, device = sum(s.span.size for s in slots), layout[0].param.device
         x = exchange.payload if self.codec is None else _reuse(self._x, n, device)
@@ -190,9 +243,10 @@ class PeriodicAveraging(CommunicatingOptimizer):
 
     def _pending_state(self, record) -> dict:
         """A checkpoint with a lossy sync in flight keeps e', the error its apply commits."""
-        return {} if self.codec is None else {"unsent": self._unsent.clone()}
+        return {**self._pending_launch(), **({} if self.codec is None else {"unsent": self._unsent.clone()})}
 
     def _load_pending_state(self, record, saved: dict) -> None:
+        self._load_pending_launch(record, saved)
         if self.codec is not None:
             self._unsent = saved["unsent"].to(record.layout[0].param.device).clone()
 
@@ -209,6 +263,6 @@ class PeriodicAveraging(CommunicatingOptimizer):
             # g = −Δ̄;  b ← μ b + g;  θ₀ ← θ₀ − η_out (g + μ b)
             nesterov_outer_(state["anchor"].view(-1), part.neg(), state.get("outer_momentum"),
                             self.outer_lr, self.outer_momentum)
-            # θ ← θ₀
-            p.copy_(state["anchor"])
+            # θ ← θ₀   (delay > 1: θ ← θ₀ + (θ − θ_s))
+            self._rejoin(p, state["anchor"], slot.span)
             self._after_sync(slot, part)

@@ -105,7 +105,7 @@ class SparseLoCo(DiLoCo):
         error_decay: β of e ← β e + Δ (default 0.95).
         outer_lr: α of θ₀ ← θ₀ − α Δ̄ (default 1.0).
         aggregate: 'mean' (default, the paper's 1/R) | 'senders' (the reference code's).
-        nonfinite, process_group, overlap: as for DiLoCo.
+        nonfinite, process_group, overlap, delay: as for DiLoCo.
     Initial parameters must be identical on all ranks (as with DDP's broadcast).
     """
 
@@ -113,19 +113,21 @@ class SparseLoCo(DiLoCo):
 
     def __init__(self, params, inner=None, sync_every: int = 15, topk: int = 128, chunk: int = 64,
                  values: str = "2bit", transform: str = "identity", error_decay: float = 0.95, outer_lr: float = 1.0,
-                 aggregate: str = "mean", nonfinite: str = "raise", process_group=None, overlap: bool = False):
+                 aggregate: str = "mean", nonfinite: str = "raise", process_group=None, overlap: bool = False,
+                 delay: int = 1):
         check_sync_every(sync_every)
         self.compressor = _check(topk, chunk, values, transform, error_decay, outer_lr, aggregate)
         self.error_decay, self.aggregate = float(error_decay), aggregate
         super().__init__(params, inner=inner, sync_every=sync_every, outer_lr=outer_lr, outer_momentum=0.0,
-                         wire="fp32", nonfinite=nonfinite, process_group=process_group, overlap=overlap)
+                         wire="fp32", nonfinite=nonfinite, process_group=process_group, overlap=overlap,
+                         delay=delay)
         self._message = GatherAll(self.comm)        # every parameter's payload in one all-gather
 
     def _describe(self, layout: list[Member]) -> str:
         c = self.compressor
         head = (f"{self.kind} world_size={self.comm.world_size} K={self.sync_every} topk={c.topk} chunk={c.chunk} "
                 f"values={c.codec.name} transform={c.transform.kind} beta={self.error_decay} alpha={self.outer_lr} "
-                f"aggregate={self.aggregate}")
+                f"aggregate={self.aggregate} delay={self.delay}")
         return "\n".join([head, *(f"{tuple(p.shape)} {p.dtype}" for _, p, _ in layout)])
 
     def _places(self, layout: list[Member]) -> list[tuple[Member, Span, Span]]:
@@ -152,6 +154,7 @@ class SparseLoCo(DiLoCo):
         self._local_step(step, layout)
         if exchange is None:
             return
+        self._launch(layout)
         n, device = sum(m.param.numel() for m in layout), layout[0].param.device
         self._x, self._unsent = _reuse(self._x, n, device), _reuse(self._unsent, n, device)
         for (_, p, key), elements, payload in self._places(layout):
@@ -168,9 +171,11 @@ class SparseLoCo(DiLoCo):
 
     def _pending_state(self, record) -> dict:
         """A checkpoint with a sync in flight keeps e', the error its apply commits."""
-        return {} if self._unsent is None else {"unsent": self._unsent.clone()}   # None: flagged, never applied
+        unsent = {} if self._unsent is None else {"unsent": self._unsent.clone()}   # None: flagged, never applied
+        return {**self._pending_launch(), **unsent}
 
     def _load_pending_state(self, record, saved: dict) -> None:
+        self._load_pending_launch(record, saved)
         if "unsent" in saved:
             self._unsent = saved["unsent"].to(record.layout[0].param.device).clone()
 
@@ -185,5 +190,5 @@ class SparseLoCo(DiLoCo):
             state["error"].copy_(elements.of(self._unsent).view(p.shape))
             # θ₀ ← θ₀ − α Δ̄
             state["anchor"].sub_(mean.mul_(self.outer_lr).to(state["anchor"].dtype))
-            # θ ← θ₀
-            p.copy_(state["anchor"])
+            # θ ← θ₀   (delay > 1: θ ← θ₀ + (θ − θ_s))
+            self._rejoin(p, state["anchor"], elements)

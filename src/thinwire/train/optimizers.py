@@ -21,7 +21,9 @@ Dense baselines send fp32 gradients (DenseAllReduce's default, DDP's buckets); t
 Overlap. `cfg.overlap` (`--overlap`) builds every thinwire optimizer with overlap=True (its
 exchange left in flight while the next step computes); "<name>-overlap" entries (demo-overlap,
 ef21-muon-overlap, apmsqueeze-overlap, lordo-overlap, diloco-overlap, sparseloco-overlap) build
-it with overlap whatever the flag, so one table can hold both. PowerSGD and the DDP baselines cannot take it
+it with overlap whatever the flag, so one table can hold both. "diloco-delayed" and
+"sparseloco-delayed" leave each sync in flight for a whole interval (delay = H): it lands
+just before the next one leaves (thinwire.optim.periodic). PowerSGD and the DDP baselines cannot take it
 (their `OptimizerSpec.why_no_overlap` says why; run.check_run refuses them with that line): DDP
 overlaps its all-reduce with backward by itself.
 
@@ -219,20 +221,25 @@ def _lordo(model, cfg, lr, group=None):
                        weight_decay=0.1, process_group=group, overlap=_ov(cfg)), model, replicas_drift=True)
 
 
-def _diloco(model, cfg, lr, group=None):
+def _delay(cfg, delayed: bool) -> dict:
+    """delayed: each sync in flight for a whole interval (delay = H), which needs overlap."""
+    return {"overlap": True, "delay": cfg.sync_every} if delayed else {"overlap": _ov(cfg)}
+
+
+def _diloco(model, cfg, lr, group=None, delayed: bool = False):
     inner = lambda ps: _torch_adamw(ps, cfg, lr)  # noqa: E731
     return _wrap(DiLoCo(model.parameters(), inner=inner, sync_every=cfg.sync_every, process_group=group,
-                        overlap=_ov(cfg)), model, replicas_drift=True)
+                        **_delay(cfg, delayed)), model, replicas_drift=True)
 
 
-def _sparseloco(model, cfg, lr, group=None):
+def _sparseloco(model, cfg, lr, group=None, delayed: bool = False):
     """SparseLoCo with the paper's compression (top-128 of 64 x 64 chunks, 2-bit values, β 0.95,
     α 1) and the run's H, so it compares with DiLoCo at the same sync interval. The tiny
     preset's matrices are [256|192|64|32, 64] and [64, 256]: 64 x 64 chunks (wpe's 32 x 64 keeps
     64, a norm's 64 keeps 2), the same 3.1 % everywhere."""
     inner = lambda ps: _torch_adamw(ps, cfg, lr)  # noqa: E731
     return _wrap(SparseLoCo(model.parameters(), inner=inner, sync_every=cfg.sync_every, process_group=group,
-                            overlap=_ov(cfg)), model, replicas_drift=True)
+                            **_delay(cfg, delayed)), model, replicas_drift=True)
 
 
 def _powersgd(model, cfg, lr, group=None):
@@ -308,6 +315,11 @@ def _overlap_variant(base: OptimizerSpec) -> OptimizerSpec:
 
 for _name in ("demo", "ef21-muon", "apmsqueeze", "lordo", "diloco", "sparseloco"):
     register(_overlap_variant(OPTIMIZERS[_name]))
+for _name, _factory in (("diloco", _diloco), ("sparseloco", _sparseloco)):
+    register(OptimizerSpec(f"{_name}-delayed", partial(_factory, delayed=True), dict(OPTIMIZERS[_name].default_lr),
+                           description=f"{OPTIMIZERS[_name].description}, overlap=True, delay=H (each sync in flight "
+                                       "for a whole interval; replicas keep their local steps)",
+                           on_shards=True, overlap=True))
 # wan, lookahead swept (val loss at 600 steps): 3e-4 2.3995, 4e-4 (DeMo's) 2.4193, 5e-4 2.4884: a
 # gradient taken at an estimate of the parameters tolerates a little less step than an exact one
 register(OptimizerSpec("demo-lookahead", partial(_demo, lookahead="momentum"),
