@@ -30,7 +30,8 @@ def _build(**kw):
 
 CASES = {"sparseloco": (_build(), 7),
          "sparseloco-overlap": (_build(overlap=True), 8),                   # the sync of step 8 in flight
-         "sparseloco-delayed": (_build(overlap=True, delay=4), 10)}         # that of step 8, 2 local steps since
+         "sparseloco-delayed": (_build(overlap=True, delay=4, eager=False), 10)}   # that of step 8, 2 local steps since
+EAGER = (_build(overlap=True, delay=4), 10)                                 # the same, the replicas jumped: refused
 
 
 def _old_run(rank: int, world: int) -> dict:
@@ -40,12 +41,21 @@ def _old_run(rank: int, world: int) -> dict:
         opt = build(list(model.parameters()))
         _train(model, opt, rank, steps)
         out[name] = (opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()})
+    model = problem.make_model()
+    opt = EAGER[0](list(model.parameters()))
+    _train(model, opt, rank, EAGER[1])
+    out["eager"] = opt.state_dict()
     return out
 
 
 def _new_run(rank: int, world: int, olds: list[dict], target: int) -> dict:
     out = {}
     row = mixing_weights(len(olds), world)[rank]
+    if "eager" in olds[0]:
+        try:
+            remap(EAGER[0](list(problem.make_model().parameters())), [old["eager"] for old in olds], rank)
+        except ValueError as err:
+            out["eager_refused"] = str(err)
     for name, (build, _) in CASES.items():
         models = [old[name][1] for old in olds]
         model = problem.make_model()
@@ -67,7 +77,7 @@ def _new_run(rank: int, world: int, olds: list[dict], target: int) -> dict:
 def runs():
     old = run_workers(_old_run, 4)
     mid = run_workers(_new_run, 2, args=(old, MID))
-    end = run_workers(_new_run, 3, args=([{n: r[n]["saved"] for n in r} for r in mid], END))
+    end = run_workers(_new_run, 3, args=([{n: r[n]["saved"] for n in CASES} for r in mid], END))
     return old, mid, end
 
 
@@ -112,3 +122,9 @@ def test_training_goes_on_with_identical_replicas(runs, name):
             _eq(r[name]["final"], leg[0][name]["final"])
         for r in leg:
             assert r[name]["loss"][1] < 0.5 * untrained, (r[name]["loss"], untrained)
+
+
+def test_an_eager_jump_in_flight_is_refused_naming_the_way_out(runs):
+    _, mid, _ = runs
+    for leg in mid:
+        assert "after an eager jump" in leg["eager_refused"] and "flush() before the checkpoint" in leg["eager_refused"]

@@ -84,10 +84,11 @@ def compress(x: torch.Tensor) -> torch.Tensor:
     return out[: plan.rows, : plan.cols].reshape(x.shape)
 
 
-def reference(world: int, delay: int = 0) -> dict:
+def reference(world: int, delay: int = 0, eager: bool = False) -> dict:
     """R replicas: θ₀ after every step, each replica's parameters and e at the end. delay τ > 0
     (overlap): the sync of step s lands at the start of step s + τ (after its gradient, before
-    its local step), or at the end, and each replica keeps what it did since: θ ← θ₀ + (θ − θ_s)."""
+    its local step), or at the end, and each replica keeps what it did since: θ ← θ₀ + (θ − θ_s);
+    eager: at step s each replica first jumps to θ_s = θ₀ − α Δ̂_r (its own message)."""
     models = [problem.make_model() for _ in range(world)]
     inners = [_adamw(list(m.parameters())) for m in models]
     anchor = [p.detach().clone() for p in models[0].parameters()]
@@ -123,6 +124,10 @@ def reference(world: int, delay: int = 0) -> dict:
                     mine.append(compress(e))                                 # Δ̂ = Q(TopK(e))
                     errors[r][i] = e - mine[-1]                              # e ← e − Δ̂
                 sent.append(mine)
+            if eager:
+                for r, model in enumerate(models):
+                    for i, p in enumerate(model.parameters()):
+                        p.data = anchor[i] - sent[r][i] * ALPHA                   # θ_s = θ₀ − α Δ̂_r
             if delay:
                 in_flight = (step + delay, sent, [[p.detach().clone() for p in m.parameters()] for m in models])
             else:
@@ -161,6 +166,7 @@ def _run(rank: int, make, steps: int = STEPS, nan_at: int | None = None) -> dict
         errors.append(_errors(opt))
     opt.flush()
     return {"params": params, "sent": sent, "errors": errors, "final": problem.flat_params(model), "error": _errors(opt),
+            "anchor": torch.cat([opt.state[p]["anchor"].reshape(-1) for p in opt.params]),
             "anchors": anchors, "last": opt.comm_stats.last_step.as_dict()}
 
 
@@ -218,10 +224,14 @@ def checks(rank: int, world: int) -> dict:
         "resumed": _resumed(rank, 4),
         "resumed_in_flight": _resumed(rank, 6, overlap=True),
         "nan": _run(rank, lambda ps: _sparseloco(ps, nonfinite="skip"), steps=6, nan_at=5),
-        **{f"delay{d}": _run(rank, lambda ps, d=d: _sparseloco(ps, overlap=True, delay=d)) for d in (2, H)},
-        **{f"reference{d}": reference(world, d) for d in (2, H)},
+        "delay2": _run(rank, lambda ps: _sparseloco(ps, overlap=True, delay=2, eager=False)),
+        f"delay{H}": _run(rank, lambda ps: _sparseloco(ps, overlap=True, delay=H)),         # eager, the default
+        "reference2": reference(world, 2), f"reference{H}": reference(world, H, eager=True),
+        **{f"nan_eager{e}": _run(rank, lambda ps, e=e: _sparseloco(ps, overlap=True, delay=H, eager=e,
+                                                                     nonfinite="skip"), steps=H, nan_at=H - 1)
+           for e in (True, False)},
         "resumed_delayed": _resumed(rank, 4, overlap=True, delay=H),      # the sync of step 3 in flight
-        "full_delayed": _run(rank, lambda ps: _sparseloco(ps, **plain, overlap=True, delay=H)),
+        "full_delayed": _run(rank, lambda ps: _sparseloco(ps, **plain, overlap=True, delay=H, eager=False)),
         "diloco_delayed": _run(rank, lambda ps: DiLoCo(ps, inner=_adamw, sync_every=H, outer_lr=1.0,
                                                        outer_momentum=0.0, overlap=True, delay=H)),
     }
@@ -300,7 +310,8 @@ def test_a_skipped_sync_moves_no_anchor_and_no_error(outcome):
 @pytest.mark.parametrize("delay", [2, H])
 def test_a_delayed_sync_matches_the_reference_bit_for_bit(outcome, delay):
     """delay τ: θ₀ after every step, each replica at the end and its e, against the reference's
-    landing at step s + τ with the replica's own local steps kept."""
+    landing at step s + τ with the replica's own local steps kept (τ = 2 from where it stood,
+    τ = H eager: from its jump to θ₀ − α Δ̂_r)."""
     _, ranks = outcome
     for rank, r in enumerate(ranks):
         run, ref = r[f"delay{delay}"], r[f"reference{delay}"]
@@ -343,13 +354,26 @@ def test_delayed_full_density_is_delayed_plain_averaging(outcome):
                 torch.testing.assert_close(full["anchors"][step], diloco["anchors"][step], rtol=1e-6, atol=1e-7)
 
 
+def test_a_skipped_delayed_sync_undoes_the_eager_jump(outcome):
+    """A NaN on rank 1 at the first sync, nonfinite='skip', the run ended by flush(): θ₀ and e
+    stay as they were, and every rank's replica is back where its local steps left it, as a
+    run without the jump (eager=False) ends, to float rounding (θ_s + (θ − θ_s))."""
+    _, ranks = outcome
+    for r in ranks:
+        jumped, plain = r["nan_eagerTrue"], r["nan_eagerFalse"]
+        assert torch.equal(jumped["anchor"], jumped["anchors"][0]) and not jumped["error"].any()   # after flush()
+        torch.testing.assert_close(jumped["final"], plain["final"], rtol=0, atol=1e-6)
+        assert torch.isfinite(jumped["final"]).all()
+    assert not torch.equal(ranks[0]["nan_eagerTrue"]["final"], ranks[1]["nan_eagerTrue"]["final"])
+
+
 @pytest.mark.parametrize("kwargs, name", [
     ({"sync_every": 0}, "sync_every"), ({"topk": 0}, "topk"), ({"topk": 1.5}, "topk"), ({"topk": 257}, "topk"),
     ({"chunk": 0}, "chunk"), ({"values": "sign"}, "values"), ({"transform": "random"}, "transform"),
     ({"error_decay": 1.5}, "error_decay"), ({"error_decay": -0.1}, "error_decay"), ({"outer_lr": 0.0}, "outer_lr"),
     ({"aggregate": "sum"}, "aggregate"), ({"nonfinite": "ignore"}, "nonfinite"), ({"overlap": 1}, "overlap"),
     ({"delay": 2}, "delay"), ({"delay": 0, "overlap": True}, "delay"), ({"delay": 4, "sync_every": 3, "overlap": True}, "delay"),
-    ({"delay": 1.0, "overlap": True}, "delay"),
+    ({"delay": 1.0, "overlap": True}, "delay"), ({"eager": 1}, "eager"),
     ({"inner": lambda ps: 3}, "inner"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, name):

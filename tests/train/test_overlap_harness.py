@@ -59,6 +59,10 @@ def test_delayed_entries_keep_each_sync_in_flight_for_a_whole_interval():
         opt = spec.build(build_model(cfg), cfg, 1e-3).optimizer
         assert (opt.overlap, opt.delay, opt.sync_every) == (True, 5, 5), name
         assert get_optimizer(name).build(build_model(cfg), cfg, 1e-3).optimizer.delay == 1
+        shorter = get_preset("tiny", sync_every=5, sync_delay=3)                # --sync-delay 3
+        assert spec.build(build_model(shorter), shorter, 1e-3).optimizer.delay == 3, name
+    with pytest.raises(ValueError, match="sync_delay"):
+        get_preset("tiny", sync_every=5, sync_delay=6)
 
 
 def _ddp_run(rank, world, calibrate: bool):

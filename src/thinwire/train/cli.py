@@ -15,7 +15,7 @@ import sys
 DEFAULT_COMPARE = "adamw,powersgd,demo"
 _OVERRIDES = ("model", "init_from", "workers", "sites", "n_layer", "n_embd", "n_head", "context", "vocab_size", "rows",
               "steps", "eval_every", "eval_rows", "seed", "lr", "topk", "chunk", "alpha", "beta", "momentum_form", "rank", "values", "compressed_after",
-              "uplink", "sync_every", "lowrank")
+              "uplink", "sync_every", "sync_delay", "lowrank")
 _FLOATS = ("lr", "alpha", "beta", "compressed_after")
 _STRINGS = ("model", "init_from", "values", "uplink", "momentum_form")
 

@@ -50,6 +50,7 @@ class TrainConfig:
     uplink: str = "topk:0.44+int8"  # EF21-Muon: uplink compressor spec (replicated topology, no downlink)
     sync_every: int = 32         # LoRDO, DiLoCo and SparseLoCo: local steps between synchronisations
     lowrank: int = 0             # LoRDO: rank r of the projection (0: min(256, n_embd / 4))
+    sync_delay: int = 0          # diloco-delayed, sparseloco-delayed: steps a sync stays in flight (0: sync_every)
     overlap: bool = False        # thinwire optimizers: overlap=True (each step's exchange in flight during the next compute)
 
     @property
@@ -139,6 +140,8 @@ FIELD_HELP = {
     "uplink": "EF21-Muon: uplink compressor spec, e.g. topk:0.15+int8 or dct-topk:32+int8",
     "sync_every": "LoRDO, DiLoCo and SparseLoCo: local steps between synchronisations",
     "lowrank": "LoRDO: projection rank (0: width / 4, at most 256)",
+    "sync_delay": "diloco-delayed and sparseloco-delayed: steps each sync stays in flight before it lands, "
+                  "the replicas keeping their local steps (SparseLoCo's from its eager jump; 0: sync_every, a whole interval)",
     "overlap": "thinwire optimizers: leave each step's exchange in flight while the next step computes "
                "(overlap=True); refused for PowerSGD and the DDP baselines",
 }
@@ -199,6 +202,8 @@ def get_preset(name: str, **overrides) -> TrainConfig:
     parse_compressor(cfg.uplink, "uplink")                 # ValueError naming the bad spec
     if not 0.0 <= cfg.compressed_after <= 1.0:
         raise ValueError(f"compressed_after must be in [0, 1], got {cfg.compressed_after}")
+    if not 0 <= cfg.sync_delay <= cfg.sync_every:
+        raise ValueError(f"sync_delay must be in [0, sync_every = {cfg.sync_every}], got {cfg.sync_delay}")
     if cfg.sync_every < 1 or cfg.lowrank < 0:
         raise ValueError(f"sync_every must be >= 1 and lowrank >= 0, got {cfg.sync_every}, {cfg.lowrank}")
     if cfg.sites < 0:

@@ -222,8 +222,8 @@ def _lordo(model, cfg, lr, group=None):
 
 
 def _delay(cfg, delayed: bool) -> dict:
-    """delayed: each sync in flight for a whole interval (delay = H), which needs overlap."""
-    return {"overlap": True, "delay": cfg.sync_every} if delayed else {"overlap": _ov(cfg)}
+    """delayed: each sync in flight for cfg.sync_delay steps (0: a whole interval, H), with overlap."""
+    return {"overlap": True, "delay": cfg.sync_delay or cfg.sync_every} if delayed else {"overlap": _ov(cfg)}
 
 
 def _diloco(model, cfg, lr, group=None, delayed: bool = False):
