@@ -4,9 +4,10 @@ processes:
   its comm_stats counts them and, for LoRDO, as its wire format gives them by hand; the same
   run under Accelerate's defaults (`--plain-ddp`) all-reduces every gradient every step, so
   the 0 is not a counting mistake;
-- a run checkpointed by `accelerator.save_state` and SIGKILLed there, then resumed by
-  `accelerator.load_state`, ends bit for bit where the uninterrupted run ends, on both ranks,
-  with rank 1's own optimizer state (it differs from rank 0's) restored; replicas identical."""
+- a run resumed by `accelerator.load_state` from `accelerator.save_state`'s checkpoint ends bit
+  for bit where the uninterrupted run ends, on both ranks, with rank 1's own optimizer state (it
+  differs from rank 0's) restored; replicas identical. DeMo's checkpoint is a run's SIGKILLed
+  there, LoRDO's its uninterrupted run's (one launch fewer)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from thinwire.train.model import build_model
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "accelerate_train.py"
 # (steps, checkpoint at). LoRDO syncs every 4 steps: the checkpoint at 10 falls between syncs, the run ends on one
 RUNS = {"demo": (20, 10), "lordo": (20, 10)}
+KILLED = "demo"                 # SIGKILLed at its checkpoint; LoRDO resumes from its whole run's
 
 
 def _torchrun(optimizer: str, out: Path, *flags: str) -> subprocess.Popen:
@@ -34,31 +36,39 @@ def _torchrun(optimizer: str, out: Path, *flags: str) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{optimizer: its run directories}, and the plain-DDP baseline: three launches at a time."""
+    """{optimizer: its run directories and "checkpoint", the one resumed}, and the plain-DDP
+    baseline: four launches, then two."""
     root = tmp_path_factory.mktemp("accelerate")
-    dirs = {name: {k: root / f"{name}-{k}" for k in ("whole", "killed", "resumed")} for name in RUNS}
+    dirs = {name: {k: root / f"{name}-{k}" for k in ("whole", "resumed")} for name in RUNS}
+    killed = dirs[KILLED]["killed"] = root / f"{KILLED}-killed"
+    for n, d in dirs.items():
+        d["checkpoint"] = d.get("killed", d["whole"]) / f"step-{RUNS[n][1]}"
     first = [(_torchrun(n, d["whole"], "--count", "--save-at", str(RUNS[n][1])), True) for n, d in dirs.items()]
-    first += [(_torchrun(n, d["killed"], "--save-at", str(RUNS[n][1]), "--kill-after-save"), False)
-              for n, d in dirs.items()]
+    first.append((_torchrun(KILLED, killed, "--save-at", str(RUNS[KILLED][1]), "--kill-after-save"), False))
+    dirs["plain"] = root / "plain"
+    first.append((_torchrun("demo", dirs["plain"], "--plain-ddp", "--count"), True))
     for proc, ok in first:
         finish(proc, ok)
-    second = [_torchrun(n, d["resumed"], "--resume", str(d["killed"] / f"step-{RUNS[n][1]}")) for n, d in dirs.items()]
-    dirs["plain"] = root / "plain"
-    second.append(_torchrun("demo", dirs["plain"], "--plain-ddp", "--count"))
+    second = [_torchrun(n, dirs[n]["resumed"], "--resume", str(dirs[n]["checkpoint"])) for n in RUNS]
     for proc in second:
         finish(proc)
     return dirs
 
 
+def test_killed_at_the_checkpoint_it_is_resumed_from(runs):
+    killed = runs[KILLED]["killed"]
+    assert runs[KILLED]["checkpoint"].parent == killed
+    assert not list(killed.glob("params-rank*.pt"))                    # it died at the checkpoint
+
+
 @pytest.mark.parametrize("optimizer", list(RUNS))
-def test_killed_at_save_state_and_resumed_by_load_state_ends_bit_identical(runs, optimizer):
-    save_at, d = RUNS[optimizer][1], runs[optimizer]
-    assert not list(d["killed"].glob("params-rank*.pt"))               # it died at the checkpoint
+def test_resumed_by_load_state_ends_bit_identical(runs, optimizer):
+    d = runs[optimizer]
     for rank in (0, 1):
         a, b = (torch.load(d[k] / f"params-rank{rank}.pt") for k in ("whole", "resumed"))
         assert torch.equal(a, b), f"rank {rank} resumed elsewhere"
     assert torch.equal(torch.load(d["whole"] / "params-rank0.pt"), torch.load(d["whole"] / "params-rank1.pt"))
-    saved = torch.load(d["killed"] / f"step-{save_at}" / "custom_checkpoint_0.pkl", weights_only=False)
+    saved = torch.load(d["checkpoint"] / "custom_checkpoint_0.pkl", weights_only=False)
     assert saved["world"] == 2
     first, second = saved["ranks"]
     assert differs(first, second)                                    # rank 1's state is its own

@@ -4,9 +4,10 @@
   its comm_stats counts them and, for LoRDO, as its wire format gives them by hand; one step()
   per 2 accumulated micro-batches. A plain `Trainer` with the same arguments all-reduces every
   gradient every step, so the 0 is not a counting mistake;
-- a run checkpointed by Trainer at step 10 and SIGKILLed there, then resumed through
-  `trainer.train(resume_from_checkpoint=...)` (a path for DeMo, True for LoRDO), ends bit for
-  bit where the uninterrupted run ends, on both ranks; each rank's own state is in the
+- a run resumed through `trainer.train(resume_from_checkpoint=...)` from Trainer's checkpoint at
+  step 10 ends bit for bit where the uninterrupted run ends, on both ranks: LoRDO's
+  (resume_from_checkpoint=True) in the directory of a run SIGKILLed there, DeMo's (a path) from
+  its uninterrupted run's checkpoint (one launch fewer); each rank's own state is in the
   checkpoint (rank 1's differs from the rank-0 optimizer.pt Trainer loads on every rank);
   replicas identical at the end (LoRDO's 20 steps end on a sync); DeMo runs with overlap=True:
   its step in flight is saved (not flushed) and resumed, and lands at the end of training;
@@ -29,6 +30,7 @@ from thinwire.optim.checkpoints import INFLIGHT_KEY
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer_train.py"
 STEPS, SAVE_AT, SYNC_EVERY = 20, 10, 4          # LoRDO: checkpoint between syncs 8 and 12, the end on one
 OPTIMIZERS = ("demo", "lordo")
+KILLED = "lordo"                # SIGKILLed at its checkpoint and resumed in its directory; DeMo from its whole run's
 
 
 def _torchrun(optimizer: str, out: Path, *flags: str) -> subprocess.Popen:
@@ -38,24 +40,25 @@ def _torchrun(optimizer: str, out: Path, *flags: str) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{optimizer: {"whole", "killed", "resumed"}: run directories, "plain": the baseline}: seven
-    launches, five then two at a time."""
+    """{optimizer: {"whole", "resumed" (KILLED's also "killed"): run directories, "checkpoint": the
+    one resumed}, KILLED's "left": what its killed run left, "plain": the baseline}: six launches,
+    four then two."""
     root = tmp_path_factory.mktemp("hf_trainer")
-    dirs = {name: {k: root / f"{name}-{k}" for k in ("whole", "killed")} for name in OPTIMIZERS}
+    dirs = {name: {"whole": root / f"{name}-whole"} for name in OPTIMIZERS}
+    dirs["demo"]["resumed"] = root / "demo-resumed"                    # resume_from_checkpoint=<path>
+    killed = dirs[KILLED]["killed"] = dirs[KILLED]["resumed"] = root / f"{KILLED}-killed"   # =True, in its own dir
+    for d in dirs.values():
+        d["checkpoint"] = d.get("killed", d["whole"]) / f"checkpoint-{SAVE_AT}"
     dirs["plain"] = root / "plain"
     first = [(_torchrun(n, dirs[n]["whole"], "--count", "--save-at", str(SAVE_AT)), True) for n in OPTIMIZERS]
-    first += [(_torchrun(n, dirs[n]["killed"], "--save-at", str(SAVE_AT), "--kill-after-save"), False)
-              for n in OPTIMIZERS]
+    first.append((_torchrun(KILLED, killed, "--save-at", str(SAVE_AT), "--kill-after-save"), False))
     first.append((_torchrun("demo", dirs["plain"], "--plain-ddp", "--count"), True))
     for proc, ok in first:
         finish(proc, ok)
-    for name in OPTIMIZERS:                                            # they died at the checkpoint
-        assert not list(dirs[name]["killed"].glob("params-rank*.pt"))
-    dirs["demo"]["resumed"] = root / "demo-resumed"                    # resume_from_checkpoint=<path>
-    dirs["lordo"]["resumed"] = dirs["lordo"]["killed"]                 # resume_from_checkpoint=True, in its own dir
+    dirs[KILLED]["left"] = sorted(p.name for p in killed.iterdir())
     second = [_torchrun("demo", dirs["demo"]["resumed"], "--save-at", str(SAVE_AT), "--resume",
-                        str(dirs["demo"]["killed"] / f"checkpoint-{SAVE_AT}")),
-              _torchrun("lordo", dirs["lordo"]["resumed"], "--save-at", str(SAVE_AT), "--resume", "last")]
+                        str(dirs["demo"]["checkpoint"])),
+              _torchrun(KILLED, dirs[KILLED]["resumed"], "--save-at", str(SAVE_AT), "--resume", "last")]
     for proc in second:
         finish(proc)
     return dirs
@@ -65,8 +68,12 @@ def _params(directory: Path, rank: int) -> torch.Tensor:
     return torch.load(directory / f"params-rank{rank}.pt")
 
 
+def test_killed_at_the_trainer_checkpoint_it_is_resumed_from(runs):
+    assert runs[KILLED]["left"] == [f"checkpoint-{SAVE_AT}"]           # it died there: no params, no later one
+
+
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_killed_at_a_trainer_checkpoint_and_resumed_ends_bit_identical(runs, optimizer):
+def test_resumed_from_a_trainer_checkpoint_ends_bit_identical(runs, optimizer):
     d = runs[optimizer]
     for rank in (0, 1):
         assert torch.equal(_params(d["whole"], rank), _params(d["resumed"], rank)), f"rank {rank} resumed elsewhere"
@@ -75,7 +82,7 @@ def test_killed_at_a_trainer_checkpoint_and_resumed_ends_bit_identical(runs, opt
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_the_checkpoint_holds_each_ranks_own_state(runs, optimizer):
-    checkpoint = runs[optimizer]["killed"] / f"checkpoint-{SAVE_AT}"
+    checkpoint = runs[optimizer]["checkpoint"]
     own = [torch.load(checkpoint / f"thinwire-rank{r}.pt", weights_only=True) for r in (0, 1)]
     trainers = torch.load(checkpoint / "optimizer.pt", weights_only=True)      # what Trainer loads on every rank
     assert not differs(trainers["state"], own[0]["optimizer"]["state"])       # it is rank 0's

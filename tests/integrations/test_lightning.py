@@ -5,11 +5,12 @@ checkpoint and at the end of fitting) and APMSqueeze:
   them and, for APMSqueeze, as its wire format gives them by hand; one step() per 2
   micro-batches; the same run under plain `DDPStrategy()` all-reduces 4 bytes x every
   parameter every step in backward, so the 0 is not a counting mistake;
-- a run checkpointed by ModelCheckpoint at step 10 and SIGKILLed there, resumed through
-  `trainer.fit(ckpt_path=...)`, ends bit for bit where the uninterrupted run ends, on both
-  ranks; the checkpoint holds rank 1's own optimizer state (and DeMo's step in flight: not
-  flushed for it), fitting ends with nothing in flight (flushed); replicas identical. Under plain
-  `DDPStrategy()` the same resume gives rank 1 rank 0's APMSqueeze state (refused by it)."""
+- a run resumed through `trainer.fit(ckpt_path=...)` from ModelCheckpoint's checkpoint at
+  step 10 ends bit for bit where the uninterrupted run ends, on both ranks: DeMo's from a run
+  SIGKILLed there, APMSqueeze's from its uninterrupted run's (one launch fewer); the checkpoint
+  holds rank 1's own optimizer state (and DeMo's step in flight: not flushed for it), fitting
+  ends with nothing in flight (flushed); replicas identical. Under plain `DDPStrategy()` the
+  same resume gives rank 1 rank 0's APMSqueeze state (refused by it)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from thinwire.train.model import build_model  # noqa: E402
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_train.py"
 STEPS, SAVE_AT = 20, 10
 OPTIMIZERS = ("demo-overlap", "apmsqueeze")
+KILLED = "demo-overlap"         # SIGKILLed at its checkpoint; the other resumes from its whole run's
 
 
 def _torchrun(optimizer: str, out: Path, *flags: str) -> subprocess.Popen:
@@ -40,18 +42,20 @@ def _torchrun(optimizer: str, out: Path, *flags: str) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{optimizer: its run directories}; "plain": plain DDPStrategy's counted run, and the log
-    of its resume. Five launches, then three."""
+    """{optimizer: its run directories and "checkpoint", the one resumed}; "plain": plain
+    DDPStrategy's counted run, and the log of its resume. Four launches, then three."""
     root = tmp_path_factory.mktemp("lightning")
-    dirs = {name: {k: root / f"{name}-{k}" for k in ("whole", "killed", "resumed")} for name in OPTIMIZERS}
+    dirs = {name: {k: root / f"{name}-{k}" for k in ("whole", "resumed")} for name in OPTIMIZERS}
+    killed = dirs[KILLED]["killed"] = root / f"{KILLED}-killed"
+    for d in dirs.values():
+        d["checkpoint"] = d.get("killed", d["whole"]) / f"step-{SAVE_AT}.ckpt"
     dirs["plain"] = {"whole": root / "plain", "resumed": root / "plain-resumed"}
     first = [(_torchrun(n, dirs[n]["whole"], "--count"), True) for n in OPTIMIZERS]
-    first += [(_torchrun(n, dirs[n]["killed"], "--kill-after-save"), False) for n in OPTIMIZERS]
+    first.append((_torchrun(KILLED, killed, "--kill-after-save"), False))
     first.append((_torchrun("apmsqueeze", dirs["plain"]["whole"], "--plain-ddp", "--count"), True))
     for proc, ok in first:
         finish(proc, ok)
-    second = [(_torchrun(n, dirs[n]["resumed"], "--resume", str(dirs[n]["killed"] / f"step-{SAVE_AT}.ckpt")), True)
-              for n in OPTIMIZERS]
+    second = [(_torchrun(n, dirs[n]["resumed"], "--resume", str(dirs[n]["checkpoint"])), True) for n in OPTIMIZERS]
     second.append((_torchrun("apmsqueeze", dirs["plain"]["resumed"], "--plain-ddp", "--resume",
                              str(dirs["plain"]["whole"] / f"step-{SAVE_AT}.ckpt")), False))
     logs = [finish(proc, ok) for proc, ok in second]
@@ -89,16 +93,21 @@ def test_plain_ddp_strategy_sends_every_gradient_every_step(runs):
         assert _bytes(counted, "backward") == STEPS * 4 * params
 
 
+def test_killed_at_the_checkpoint_it_is_resumed_from(runs):
+    killed = runs[KILLED]["killed"]
+    assert runs[KILLED]["checkpoint"].parent == killed
+    assert not list(killed.glob("params-rank*.pt"))                    # it died at the checkpoint
+    assert not (killed / f"step-{STEPS}.ckpt").exists()
+
+
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_killed_at_checkpoint_and_resumed_by_fit_ends_bit_identical(runs, optimizer):
+def test_resumed_by_fit_from_the_checkpoint_ends_bit_identical(runs, optimizer):
     d = runs[optimizer]
-    assert not list(d["killed"].glob("params-rank*.pt"))               # it died at the checkpoint
-    assert not (d["killed"] / f"step-{STEPS}.ckpt").exists()
     for rank in (0, 1):
         a, b = (torch.load(d[k] / f"params-rank{rank}.pt") for k in ("whole", "resumed"))
         assert torch.equal(a, b), f"rank {rank} resumed elsewhere"
     assert torch.equal(torch.load(d["whole"] / "params-rank0.pt"), torch.load(d["whole"] / "params-rank1.pt"))
-    saved = torch.load(d["killed"] / f"step-{SAVE_AT}.ckpt", weights_only=False)["optimizer_states"]
+    saved = torch.load(d["checkpoint"], weights_only=False)["optimizer_states"]
     assert len(saved) == 1 and saved[0]["world"] == 2
     first, second = saved[0]["ranks"]
     assert differs(first, second)                                    # rank 1's state is its own
