@@ -74,8 +74,8 @@ dense pseudo-gradient):
 so the local steps in flight start where the sync will roughly put the replica, and what
 Δ̂_r left out stays in e, as in a plain round. A sync made on no rank (non-finite gradients)
 undoes the jump (θ ← θ + (θ_before − θ_s), to float rounding). eager=False keeps the replica
-where it stood (DiLoCo's rule). Measured on `wan` (H 8, 600 steps): eager lands within
-0.6-1.2 % of the undelayed run's loss at τ 4-8, the plain rule 1.1-5.3 % above it
+where it stood (DiLoCo's rule). Measured on `wan` (H 8, 600 steps): eager ends 0.2-0.6 %
+above the undelayed run's loss at τ 4-8, the plain rule 1.1-5.3 % above it
 (docs/results/2026-11-24-sparseloco-delayed.md). An elastic resume with an eager jump in flight
 is refused (flush() before that checkpoint): the jump lives in the model, not in the state.
 
