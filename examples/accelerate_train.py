@@ -33,7 +33,7 @@ from accelerate.utils import DistributedDataParallelKwargs
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire import APMSqueeze, DeMo, LoRDO
-from thinwire.integrations import CollectiveCounter, PerRankState, keep_gradients_local
+from thinwire.integrations import CollectiveCounter, PerRankState, end_worker, keep_gradients_local
 from thinwire.train.config import get_preset
 from thinwire.train.data import load_corpus, train_batch
 from thinwire.train.model import build_model
@@ -134,3 +134,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    end_worker()                        # thinwire: no gloo abort at exit (thinwire.integrations.shutdown)

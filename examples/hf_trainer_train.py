@@ -34,7 +34,7 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from thinwire import DeMo, LoRDO
-from thinwire.integrations import CollectiveCounter
+from thinwire.integrations import CollectiveCounter, end_worker
 from thinwire.integrations.hf_trainer import ThinwireTrainer
 from thinwire.train.data import load_corpus
 
@@ -126,3 +126,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    end_worker()                        # thinwire: no gloo abort at exit (thinwire.integrations.shutdown)

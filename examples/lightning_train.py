@@ -40,7 +40,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, IterableDataset
 
 from thinwire import APMSqueeze, DeMo
-from thinwire.integrations import CollectiveCounter
+from thinwire.integrations import CollectiveCounter, end_worker
 from thinwire.integrations.lightning import ThinwireDDPStrategy
 from thinwire.optim.checkpoints import INFLIGHT_KEY
 from thinwire.train.config import get_preset
@@ -152,3 +152,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    end_worker()                        # thinwire: no gloo abort at exit (thinwire.integrations.shutdown)

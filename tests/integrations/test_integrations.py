@@ -268,3 +268,30 @@ def test_the_core_imports_no_framework_and_each_framework_loads_on_first_use():
             "assert ti.ThinwireTrainer.__module__ == 'thinwire.integrations.hf_trainer'\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+END_WORKER = """
+import atexit, sys, tempfile
+import torch.distributed as dist
+from thinwire.integrations import end_worker
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+atexit.register(lambda: print("finalized"))
+destroy = dist.destroy_process_group
+def watched(*args):
+    destroy(*args)
+    print("destroyed" if not dist.is_initialized() else "still up", end="")
+dist.destroy_process_group = watched
+print("trained ", end="")                       # buffered: end_worker must flush it
+end_worker(3)
+print("after")
+"""
+
+
+def test_end_worker_destroys_the_group_and_skips_finalization():
+    """The group destroyed, the exit code it is given, stdout flushed, and neither the code
+    after it nor the interpreter's finalization (an atexit handler) runs."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", END_WORKER], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "trained destroyed", done.stdout

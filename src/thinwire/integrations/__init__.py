@@ -4,6 +4,7 @@
     keep_gradients_local(ddp_model)        # DDP (wrapped by the framework) all-reduces nothing
     state = PerRankState(optimizer)        # a checkpoint written by rank 0 holds every rank's state
     with CollectiveCounter().attribute(optimizer) as wire: ...   # every collective, by who issued it
+    end_worker()                           # last in a torchrun worker: no abort at exit (shutdown.py)
 
 Per framework, each importing only its own optional extra (loaded on first use):
 
@@ -22,6 +23,7 @@ a Trainer callback).
 """
 
 from .ddp import keep_gradients_local, local_gradients_hook
+from .shutdown import end_worker
 from .state import PerRankState
 from .wire import CollectiveCounter
 
@@ -30,7 +32,8 @@ from .wire import CollectiveCounter
 _FRAMEWORKS = {"ThinwireTrainer": "hf_trainer", "ThinwireCallback": "hf_trainer",
                "ThinwireDDPStrategy": "lightning", "check_lightning_version": "lightning"}
 
-__all__ = ["CollectiveCounter", "PerRankState", "keep_gradients_local", "local_gradients_hook", *_FRAMEWORKS]
+__all__ = ["CollectiveCounter", "PerRankState", "end_worker", "keep_gradients_local", "local_gradients_hook",
+           *_FRAMEWORKS]
 
 
 def __getattr__(name: str):
