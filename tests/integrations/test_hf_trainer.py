@@ -56,12 +56,17 @@ def runs(tmp_path_factory):
     for proc, ok in first:
         finish(proc, ok)
     dirs[KILLED]["left"] = sorted(p.name for p in killed.iterdir())
+    dirs[KILLED]["written"] = _written(dirs[KILLED]["checkpoint"])
     second = [_torchrun("demo", dirs["demo"]["resumed"], "--save-at", str(SAVE_AT), "--resume",
                         str(dirs["demo"]["checkpoint"])),
               _torchrun(KILLED, dirs[KILLED]["resumed"], "--save-at", str(SAVE_AT), "--resume", "last")]
     for proc in second:
         finish(proc)
     return dirs
+
+
+def _written(checkpoint: Path) -> dict:
+    return {p.name: p.stat().st_mtime_ns for p in checkpoint.iterdir()}
 
 
 def _params(directory: Path, rank: int) -> torch.Tensor:
@@ -78,6 +83,12 @@ def test_resumed_from_a_trainer_checkpoint_ends_bit_identical(runs, optimizer):
     for rank in (0, 1):
         assert torch.equal(_params(d["whole"], rank), _params(d["resumed"], rank)), f"rank {rank} resumed elsewhere"
     assert torch.equal(_params(d["whole"], 0), _params(d["whole"], 1))          # replicas identical at the end
+    # a run that ignored the checkpoint and trained from step 0 would end the same: it would also
+    # write checkpoint-10 again (into DeMo's fresh directory; over the killed run's in LoRDO's)
+    if "written" in d:
+        assert _written(d["checkpoint"]) == d["written"]
+    else:
+        assert sorted(p.name for p in d["resumed"].glob("checkpoint-*")) == [f"checkpoint-{STEPS}"]
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
