@@ -193,7 +193,7 @@ class SparseLoCo(DiLoCo):
             if self._eager_now:
                 x.copy_(p)
                 # θ ← θ₀ − α Δ̂_r: this rank's own message, its estimate of the θ₀ the sync brings
-                p.copy_(state["anchor"] - sent.mul_(self.outer_lr).to(state["anchor"].dtype))
+                p.copy_(state["anchor"]).sub_(sent.mul_(self.outer_lr).to(p.dtype))
                 x.sub_(p)                                           # what the jump took: put back if not made
         self._eager_jumped = self._eager_now
         self._launch(layout)                                        # θ_s, kept until the sync lands
