@@ -6,6 +6,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 
 from thinwire.ops import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, largest_indices, muon_scale, orthogonalize,
                           random_orthogonal)
+from thinwire.ops.select import _group_size
 
 
 @pytest.mark.parametrize("shape", [(16, 16), (32, 8), (8, 40)])
@@ -52,6 +53,26 @@ def test_largest_indices_pick_the_k_largest_values(k):
     idx = largest_indices(x, k)
     assert idx.shape == (9, k) and idx.dtype == torch.int64
     assert all(len(set(row.tolist())) == k for row in idx)     # k distinct positions per row
+    picked = x.gather(-1, idx).sort(dim=-1, descending=True).values
+    expected = _kth_largest_sorted(x, k)
+    assert torch.equal(picked.isnan(), expected.isnan())
+    assert torch.equal(picked.nan_to_num(), expected.nan_to_num())
+
+
+@pytest.mark.parametrize("n, k", [(4096, 128), (1024, 15), (2048, 1), (4096, 58)])
+def test_long_rows_select_in_two_levels_and_pick_the_k_largest_values(n, k):
+    """Rows long enough for the two-level selection (groups of g > 1 strided elements), with
+    ties at zero, inf, NaN and the row's k largest crowded into one group."""
+    assert _group_size(n, k) > 1
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(6, n, generator=g).abs()
+    x[0, : n // 2] = 0.0
+    x[1, 5], x[2, 7], x[3, 0] = float("inf"), float("nan"), 1e-40
+    width = n // _group_size(n, k)
+    x[4, torch.arange(0, n, width)[: k]] += 100.0              # group 0 holds the largest values
+    x[5, 3] = 1e9
+    idx = largest_indices(x, k)
+    assert idx.shape == (6, k) and all(len(set(row.tolist())) == k for row in idx)
     picked = x.gather(-1, idx).sort(dim=-1, descending=True).values
     expected = _kth_largest_sorted(x, k)
     assert torch.equal(picked.isnan(), expected.isnan())

@@ -13,6 +13,11 @@ choices, on any tensor.
 Wire format of one tensor of C chunks of E elements each: the C·k chunk-local indices in
 ceil(log2 E) bits each, bit-packed, then the values:
     2bit  16 + ceil(C·k / 4) bytes     int8  4·C + C·k     bf16  2·C·k     fp32  4·C·k
+
+`encode_sent` is `encode` that also returns what every receiver will decode from the bytes,
+for the sender's error feedback. With the identity transform that is sparse: the C·k values
+decoded from this rank's own value bytes at their flat positions in the tensor (padding
+dropped), so e' = e − Δ̂ touches C·k elements instead of decoding a dense tensor.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from fractions import Fraction
 
 import torch
 
+from .chunking import ChunkPlan
+from .payload import check_buffer
 from .topk import ChunkedTopK
 
 SPARSE_TRANSFORMS = ("identity", "dct")           # top-k on the values themselves (the paper's default) or on DCT-II
@@ -58,7 +65,40 @@ class SparseLoCoTopK(ChunkedTopK):
         if values == "2bit":
             self.codec = OneRow(self.codec)
 
+    def encode_sent(self, x: torch.Tensor, out: torch.Tensor, step: int = 0) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """encode(x, out, step) (x float32, contiguous), and what receivers decode from `out`:
+        (flat positions in x [n] int64, values [n] float32), n = C·k less the padding's, for
+        'identity'; (None, the dense decoded tensor [*x.shape]) for 'dct'."""
+        if self.transform.kind != "identity":
+            self.encode(x, out, step)
+            return None, self.decode(out, x.shape, step)
+        plan = self.plan(x.shape)
+        scratch = self.scratch(2 * plan.padded_numel, x.device)
+        image = plan.padded_matrix(x, scratch[plan.padded_numel:])     # [R, C], x itself when unpadded
+        idx, values = self.select(image, x.shape, scratch)
+        payload = self.write((idx, values), x.shape, check_buffer(out, self.payload_nbytes(x.shape)))
+        sent = self.codec.decode(payload.parts["values"], plan.num_chunks, idx.shape[1]).view(-1)
+        return _unpadded(plan, self.positions(plan, idx).view(-1), sent)
+
+    def scratch(self, numel: int, device) -> torch.Tensor:
+        """A flat float32 buffer of at least `numel` elements, reused across calls."""
+        buf = getattr(self, "_buffer", None)
+        if buf is None or buf.numel() < numel or buf.device != torch.device(device):
+            self._buffer = buf = torch.empty(numel, dtype=torch.float32, device=device)
+        return buf
+
     def k(self, shape) -> int:
         elems = self.plan(shape).chunk_elems
         # k = max(1, round(E · topk / chunk²)), at most E (exact: a Fraction rounds half to even)
         return min(elems, max(1, round(Fraction(elems * self.topk, self.chunk ** 2))))
+
+
+def _unpadded(plan: ChunkPlan, image_positions: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions in the padded image [R, C] -> flat positions in the tensor [rows, cols]; the
+    values kept in the padding (which receivers crop away) dropped."""
+    if not plan.padded:
+        return image_positions, values
+    r = torch.div(image_positions, plan.padded_cols, rounding_mode="floor")
+    c = image_positions - r * plan.padded_cols
+    inside = (r < plan.rows) & (c < plan.cols)
+    return (r * plan.cols + c)[inside], values[inside]

@@ -4,16 +4,49 @@ from __future__ import annotations
 
 import torch
 
+CANDIDATES_PER_KEPT = 8       # two-level selection when a row holds >= this many groups per kept value
+
 
 def largest_indices(magnitude: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest entries along the last dim of a non-negative tensor, in no
-    particular order: `magnitude.topk(k, dim=-1, sorted=False).indices`.
+    particular order: the set of `magnitude.topk(k, dim=-1, sorted=False).indices`.
 
-    Non-negative float32 values (inf and NaN included; -0.0 excluded, which |x| never gives)
-    order exactly as their IEEE-754 bit patterns read as int32, and torch's CPU top-k is
-    about 20 % faster on int32 than on float32 (4.7 vs 5.9 ns per element, one thread, rows
-    of 4096, k = 58). Among equal values the choice may differ from the float path's.
+    On CPU, a contiguous float32 tensor is read as int32: non-negative float32 values (inf and
+    NaN included; -0.0 excluded, which |x| never gives) order exactly as their IEEE-754 bit
+    patterns read as int32, and torch's CPU top-k is about 20 % faster on int32 (4.7 vs 5.9 ns
+    per element, one thread, rows of 4096, k = 58). A long row is then selected in two levels
+    (`_two_level`). Among equal values the choice may differ from the float path's.
     """
     if magnitude.dtype == torch.float32 and magnitude.device.type == "cpu" and magnitude.is_contiguous():
         magnitude = magnitude.view(torch.int32)
+        group = _group_size(magnitude.shape[-1], k)
+        if group > 1:
+            return _two_level(magnitude.reshape(-1, magnitude.shape[-1]), k, group).view(*magnitude.shape[:-1], k)
     return magnitude.topk(k, dim=-1, sorted=False).indices
+
+
+def _group_size(n: int, k: int) -> int:
+    """g: the largest power of two with n / g >= CANDIDATES_PER_KEPT · k groups that divides n
+    (1: a plain top-k)."""
+    g = 1
+    while n % (2 * g) == 0 and n // (2 * g) >= CANDIDATES_PER_KEPT * k:
+        g *= 2
+    return g
+
+
+def _two_level(m: torch.Tensor, k: int, g: int) -> torch.Tensor:
+    """The k largest of each row of m [rows, n], exactly, from its n/g strided groups (group j:
+    the elements j, j + n/g, ..., j + (g − 1) n/g). Every one of a row's k largest lies in one
+    of the k groups with the largest maxima (were its group outside them, k groups would each
+    hold a larger element), so the top k of those k·g candidates are the row's: one top-k over
+    n/g maxima and one over k·g candidates instead of one over n: on one CPU thread 21 -> 14
+    ms for 894 rows of 4096 with k = 128 (SparseLoCo's chunks on `wan`), 10 -> 7.8 ms for
+    3577 rows of 1024 with k = 15 (DeMo's)."""
+    rows, n = m.shape
+    width = n // g
+    groups = m.view(rows, g, width)                                     # [rows, g, n/g]: group j is column j
+    best = groups.amax(dim=1).topk(k, dim=-1, sorted=False).indices     # [rows, k] group ids j
+    candidates = groups.gather(2, best.unsqueeze(1).expand(rows, g, k))  # [rows, g, k]
+    pick = candidates.view(rows, g * k).topk(k, dim=-1, sorted=False).indices   # [rows, k] in [0, g·k)
+    member = torch.div(pick, k, rounding_mode="floor")                  # i: the element's place in its group
+    return best.gather(1, pick - member * k).add_(member * width)       # j + i · n/g

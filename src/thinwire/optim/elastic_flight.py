@@ -31,7 +31,7 @@ def fold_in_flight(optimizer, state: dict, i: int) -> dict:
     if record["exact"] is not None:
         raise ValueError(f"{refuse} under a lookahead: the model holds moved parameters; flush() before the "
                          "checkpoint to resume it on another world size")
-    if "eager_jump" in record["algorithm"]:
+    if {"before_jump", "eager_jump"} & set(record["algorithm"]):
         raise ValueError(f"{refuse} after an eager jump (SparseLoCo, delay > 1): the replica holds its own estimate "
                          "of the sync's result; flush() before the checkpoint to resume it on another world size")
     if isinstance(optimizer, PeriodicAveraging) or _sums(optimizer, record["step"]):

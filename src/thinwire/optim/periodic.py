@@ -177,7 +177,11 @@ class PeriodicAveraging(CommunicatingOptimizer):
             p.copy_(anchor)
             return
         local = span.of(self._launched).view(p.shape)
-        # θ − θ_s, then θ₀ + (θ − θ_s), in float32
+        if p.dtype == torch.float32:
+            # θ − θ_s, then θ₀ + (θ − θ_s), in place
+            p.sub_(local).add_(anchor)
+            return
+        # θ − θ_s, then θ₀ + (θ − θ_s), in float32, rounded once to p's dtype
         p.copy_(local.neg_().add_(p).add_(anchor))
 
     def _pending_launch(self) -> dict:

@@ -109,6 +109,30 @@ def _check(topk, chunk, values, transform, error_decay, outer_lr, aggregate) -> 
     return SparseLoCoTopK(topk, chunk, transform, values)     # ValueError naming values / transform / topk
 
 
+def _difference(anchor: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = θ₀ − θ in float32 (out: float32, contiguous), exact for bf16 parameters."""
+    if anchor.dtype == p.dtype == torch.float32:
+        return torch.sub(anchor, p, out=out)
+    return out.copy_(anchor).sub_(p)
+
+
+def _subtract_sent(target: torch.Tensor, sent: tuple, scale: float | None = None) -> None:
+    """target ← target − (scale · Δ̂) in target's dtype, Δ̂ as `encode_sent` gives it: values at
+    flat positions (elsewhere target − 0 = target, so only those are touched) or dense."""
+    positions, values = sent
+    if scale is not None:
+        values = values * scale
+    values = values.to(target.dtype)
+    if positions is None:
+        target.sub_(values)
+    elif target.is_contiguous():
+        flat = target.view(-1)
+        flat[positions] = flat[positions] - values
+    else:
+        target.sub_(torch.zeros(target.shape, dtype=values.dtype, device=values.device)
+                    .view(-1).index_put_((positions,), values).view(target.shape))
+
+
 class SparseLoCo(DiLoCo):
     """SparseLoCo over any inner optimizer; the module docstring has the equations and the wire.
 
@@ -177,24 +201,25 @@ class SparseLoCo(DiLoCo):
         if exchange is None:
             return
         n, device = sum(m.param.numel() for m in layout), layout[0].param.device
-        self._x, self._unsent = _reuse(self._x, n, device), _reuse(self._unsent, n, device)
+        self._unsent = _reuse(self._unsent, n, device)
+        if self._eager_now:
+            self._x = _reuse(self._x, n, device)
         for (_, p, key), elements, payload in self._places(layout):
-            state, out = self.state[key], payload.of(exchange.payload)
-            x = elements.of(self._x).view(p.shape)                  # [*p.shape] float32
+            state = self.state[key]
+            x = elements.of(self._unsent).view(p.shape)             # [*p.shape] float32: e, then e'
             # Δ = θ₀ − θ
-            x.copy_(state["anchor"]).sub_(p)
+            _difference(state["anchor"], p, out=x)
             # e = β e + Δ
             x.add_(state["error"], alpha=self.error_decay)
-            # Δ̂ = Q(TopK(e)): this rank's row of the message
-            self.compressor.encode(x, out, step)
-            # e' = e − Δ̂, exactly what receivers decode; committed when the sync lands
-            sent = self.compressor.decode(out, p.shape, step)
-            torch.sub(x, sent, out=elements.of(self._unsent).view(p.shape))
+            # Δ̂ = Q(TopK(e)): this rank's row of the message, and what receivers decode of it
+            sent = self.compressor.encode_sent(x, payload.of(exchange.payload), step)
+            # e' = e − Δ̂, committed when the sync lands
+            _subtract_sent(x, sent)
             if self._eager_now:
-                x.copy_(p)
+                elements.of(self._x).view(p.shape).copy_(p)        # θ before the jump: a sync not made puts it back
                 # θ ← θ₀ − α Δ̂_r: this rank's own message, its estimate of the θ₀ the sync brings
-                p.copy_(state["anchor"]).sub_(sent.mul_(self.outer_lr).to(p.dtype))
-                x.sub_(p)                                           # what the jump took: put back if not made
+                p.copy_(state["anchor"])
+                _subtract_sent(p, sent, self.outer_lr)
         self._eager_jumped = self._eager_now
         self._launch(layout)                                        # θ_s, kept until the sync lands
 
@@ -203,24 +228,28 @@ class SparseLoCo(DiLoCo):
         return self.eager and self.delay > 1
 
     def _discard(self, step: int, layout: list[Member], exchange) -> None:
-        """A sync made on no rank: an eager jump is undone, θ ← θ + (θ_before − θ₀ + α Δ̂_r)."""
+        """A sync made on no rank: an eager jump is undone, θ ← θ + (θ_before − θ_s)."""
         if not self._eager_jumped:
             return
         self._eager_jumped = False
         for (_, p, _), elements, _ in self._places(layout):
-            p.copy_(elements.of(self._x).view(p.shape).add_(p))
+            before = elements.of(self._x).view(p.shape)
+            p.copy_(before.sub_(elements.of(self._launched).view(p.shape)).add_(p))
 
     def _pending_state(self, record) -> dict:
         """A checkpoint with a sync in flight keeps e', the error its apply commits."""
         unsent = {} if self._unsent is None else {"unsent": self._unsent.clone()}   # None: flagged, never applied
-        jump = {"eager_jump": self._x.clone()} if self._eager_jumped else {}
+        jump = {"before_jump": self._x.clone()} if self._eager_jumped else {}
         return {**self._pending_launch(), **unsent, **jump}
 
     def _load_pending_state(self, record, saved: dict) -> None:
         self._load_pending_launch(record, saved)
-        self._eager_jumped = "eager_jump" in saved
-        if self._eager_jumped:
-            self._x = saved["eager_jump"].to(record.layout[0].param.device).clone()
+        device = record.layout[0].param.device
+        self._eager_jumped = "before_jump" in saved or "eager_jump" in saved
+        if "before_jump" in saved:
+            self._x = saved["before_jump"].to(device).clone()
+        elif "eager_jump" in saved:          # written before 'before_jump': θ_before − θ_s, to float rounding
+            self._x = saved["eager_jump"].to(device).add(self._launched)
         if "unsent" in saved:
             self._unsent = saved["unsent"].to(record.layout[0].param.device).clone()
 
@@ -229,11 +258,14 @@ class SparseLoCo(DiLoCo):
         for (_, p, key), elements, payload in self._places(layout):
             state, spec = self.state[key], self.compressor.payload_spec(p.shape)
             reads = [self.compressor.read(Payload.from_buffer(payload.of(row), spec), p.shape) for row in rows]
+            padded = self.compressor.plan(p.shape).padded_numel
+            buf = self.compressor.scratch(2 * padded, p.device)
+            out, scratch = buf[:padded], buf[padded: 2 * padded]
             # Δ̄ = (1/R) Σ_r Δ̂_r, decoded and summed in rank order  [*p.shape] float32
-            mean = self.compressor.aggregate(reads, p.shape, step, self.aggregate)
+            mean = self.compressor.aggregate(reads, p.shape, step, self.aggregate, out=out, scratch=scratch)
             # e ← e'
             state["error"].copy_(elements.of(self._unsent).view(p.shape))
-            # θ₀ ← θ₀ − α Δ̄
-            state["anchor"].sub_(mean.mul_(self.outer_lr).to(state["anchor"].dtype))
+            # θ₀ ← θ₀ − α Δ̄   (× 1 is exact: skipped)
+            state["anchor"].sub_((mean if self.outer_lr == 1.0 else mean.mul_(self.outer_lr)).to(state["anchor"].dtype))
             # θ ← θ₀   (delay > 1: θ ← θ₀ + (θ − θ_s))
             self._rejoin(p, state["anchor"], elements)
