@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from thinwire.compress import ChunkPlan, SparseLoCoTopK
+from thinwire.compress import ChunkPlan, Payload, SparseLoCoTopK
 from thinwire.wire import get_codec
 
 
@@ -53,6 +53,28 @@ def test_round_trip_matches_a_brute_force_reference(transform):
         assert int((y != 0).sum()) == plan.num_chunks * k
     else:
         torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("transform, shape", [("identity", (40, 24)), ("identity", (37, 24)),   # unpadded, padded
+                                              ("identity", (37,)), ("dct", (37, 24))])
+def test_encode_sent_is_what_a_receiver_decodes(transform, shape):
+    """The sender's own view of its message (for e' = e − Δ̂) equals the receiver's decode of
+    the bytes, and the bytes equal encode()'s; sparse (positions) for 'identity'."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+    comp = SparseLoCoTopK(topk=16, chunk=8, transform=transform)
+    plain, sent_bytes = (torch.empty(comp.payload_nbytes(shape), dtype=torch.uint8) for _ in range(2))
+    comp.encode(x, plain)
+    positions, values, read = comp.encode_sent(x, sent_bytes)
+    assert torch.equal(sent_bytes, plain)
+    received = comp.decode(sent_bytes, shape)
+    if transform == "dct":
+        assert positions is None and read is None and torch.equal(values, received)
+        return
+    indices, decoded = comp.read(Payload.from_buffer(sent_bytes, comp.payload_spec(shape)), shape)
+    assert torch.equal(read[0], indices) and torch.equal(read[1], decoded)
+    assert len(set(positions.tolist())) == positions.numel() <= comp.plan(shape).num_chunks * comp.k(shape)
+    dense = torch.zeros(x.numel()).index_put_((positions,), values).view(shape)
+    assert torch.equal(dense, received)
 
 
 @pytest.mark.parametrize("kwargs, name", [({"topk": 65}, "topk"), ({"transform": "random"}, "transform"),

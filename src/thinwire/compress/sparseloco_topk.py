@@ -23,15 +23,23 @@ dropped), so e' = e − Δ̂ touches C·k elements instead of decoding a dense t
 from __future__ import annotations
 
 from fractions import Fraction
+from typing import NamedTuple
 
 import torch
 
 from .chunking import ChunkPlan
 from .payload import check_buffer
-from .topk import ChunkedTopK
+from .topk import ChunkedTopK, Read
 
 SPARSE_TRANSFORMS = ("identity", "dct")           # top-k on the values themselves (the paper's default) or on DCT-II
 SPARSE_VALUES = ("2bit", "int8", "bf16", "fp32")
+
+
+class Sent(NamedTuple):
+    """One rank's message for one tensor as every receiver decodes it (`encode_sent`)."""
+    positions: torch.Tensor | None     # [n] int64 flat positions in the tensor; None: `values` is dense
+    values: torch.Tensor               # [n] float32 decoded values (or the dense decoded tensor)
+    read: Read | None                  # what `read()` of these bytes returns; None for 'dct'
 
 
 class OneRow:
@@ -65,20 +73,20 @@ class SparseLoCoTopK(ChunkedTopK):
         if values == "2bit":
             self.codec = OneRow(self.codec)
 
-    def encode_sent(self, x: torch.Tensor, out: torch.Tensor, step: int = 0) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def encode_sent(self, x: torch.Tensor, out: torch.Tensor, step: int = 0) -> Sent:
         """encode(x, out, step) (x float32, contiguous), and what receivers decode from `out`:
-        (flat positions in x [n] int64, values [n] float32), n = C·k less the padding's, for
-        'identity'; (None, the dense decoded tensor [*x.shape]) for 'dct'."""
+        for 'identity' the values at their flat positions in x (n = C·k less the padding's) and
+        the (indices, values) `read()` returns; for 'dct' the dense decoded tensor."""
         if self.transform.kind != "identity":
             self.encode(x, out, step)
-            return None, self.decode(out, x.shape, step)
+            return Sent(None, self.decode(out, x.shape, step), None)
         plan = self.plan(x.shape)
         scratch = self.scratch(2 * plan.padded_numel, x.device)
         image = plan.padded_matrix(x, scratch[plan.padded_numel:])     # [R, C], x itself when unpadded
         idx, values = self.select(image, x.shape, scratch)
         payload = self.write((idx, values), x.shape, check_buffer(out, self.payload_nbytes(x.shape)))
-        sent = self.codec.decode(payload.parts["values"], plan.num_chunks, idx.shape[1]).view(-1)
-        return _unpadded(plan, self.positions(plan, idx).view(-1), sent)
+        sent = self.codec.decode(payload.parts["values"], plan.num_chunks, idx.shape[1])   # [C, k], as read() does
+        return Sent(*_unpadded(plan, self.positions(plan, idx).view(-1), sent.view(-1)), (idx, sent))
 
     def scratch(self, numel: int, device) -> torch.Tensor:
         """A flat float32 buffer of at least `numel` elements, reused across calls."""

@@ -88,6 +88,7 @@ from __future__ import annotations
 import torch
 
 from ..compress import Payload, SparseLoCoTopK
+from ..compress.sparseloco_topk import Sent
 from ..compress.topk import AGGREGATIONS
 from .base import Member
 from .diloco import DiLoCo
@@ -116,10 +117,10 @@ def _difference(anchor: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> tor
     return out.copy_(anchor).sub_(p)
 
 
-def _subtract_sent(target: torch.Tensor, sent: tuple, scale: float | None = None) -> None:
+def _subtract_sent(target: torch.Tensor, sent: Sent, scale: float | None = None) -> None:
     """target ← target − (scale · Δ̂) in target's dtype, Δ̂ as `encode_sent` gives it: values at
     flat positions (elsewhere target − 0 = target, so only those are touched) or dense."""
-    positions, values = sent
+    positions, values = sent.positions, sent.values
     if scale is not None:
         values = values * scale
     values = values.to(target.dtype)
@@ -164,6 +165,7 @@ class SparseLoCo(DiLoCo):
         if not isinstance(eager, bool):
             raise ValueError(f"eager must be True or False, got {eager!r}")
         self.error_decay, self.aggregate, self.eager, self._eager_jumped = float(error_decay), aggregate, eager, False
+        self._own_reads = None       # this rank's row as read() would return it, from its encode to its landing
         super().__init__(params, inner=inner, sync_every=sync_every, outer_lr=outer_lr, outer_momentum=0.0,
                          wire="fp32", nonfinite=nonfinite, process_group=process_group, overlap=overlap,
                          delay=delay)
@@ -204,6 +206,7 @@ class SparseLoCo(DiLoCo):
         self._unsent = _reuse(self._unsent, n, device)
         if self._eager_now:
             self._x = _reuse(self._x, n, device)
+        self._own_reads = []
         for (_, p, key), elements, payload in self._places(layout):
             state = self.state[key]
             x = elements.of(self._unsent).view(p.shape)             # [*p.shape] float32: e, then e'
@@ -213,6 +216,7 @@ class SparseLoCo(DiLoCo):
             x.add_(state["error"], alpha=self.error_decay)
             # Δ̂ = Q(TopK(e)): this rank's row of the message, and what receivers decode of it
             sent = self.compressor.encode_sent(x, payload.of(exchange.payload), step)
+            self._own_reads.append(sent.read)
             # e' = e − Δ̂, committed when the sync lands
             _subtract_sent(x, sent)
             if self._eager_now:
@@ -229,6 +233,7 @@ class SparseLoCo(DiLoCo):
 
     def _discard(self, step: int, layout: list[Member], exchange) -> None:
         """A sync made on no rank: an eager jump is undone, θ ← θ + (θ_before − θ_s)."""
+        self._own_reads = None
         if not self._eager_jumped:
             return
         self._eager_jumped = False
@@ -244,6 +249,7 @@ class SparseLoCo(DiLoCo):
 
     def _load_pending_state(self, record, saved: dict) -> None:
         self._load_pending_launch(record, saved)
+        self._own_reads = None                                      # the landing reads every row's bytes
         device = record.layout[0].param.device
         self._eager_jumped = "before_jump" in saved or "eager_jump" in saved
         if "before_jump" in saved:
@@ -255,9 +261,13 @@ class SparseLoCo(DiLoCo):
 
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         rows, self._eager_jumped = delivery.data, False             # [R, payload bytes], rank order
-        for (_, p, key), elements, payload in self._places(layout):
+        own, self._own_reads = self._own_reads, None
+        for i, ((_, p, key), elements, payload) in enumerate(self._places(layout)):
             state, spec = self.state[key], self.compressor.payload_spec(p.shape)
-            reads = [self.compressor.read(Payload.from_buffer(payload.of(row), spec), p.shape) for row in rows]
+            # every row's (indices, values); this rank's own as its encode read them off its bytes
+            reads = [own[i] if own is not None and own[i] is not None and r == self.comm.rank
+                     else self.compressor.read(Payload.from_buffer(payload.of(row), spec), p.shape)
+                     for r, row in enumerate(rows)]
             padded = self.compressor.plan(p.shape).padded_numel
             buf = self.compressor.scratch(2 * padded, p.device)
             out, scratch = buf[:padded], buf[padded: 2 * padded]
