@@ -83,10 +83,10 @@ class SparseLoCoTopK(ChunkedTopK):
         plan = self.plan(x.shape)
         scratch = self.scratch(2 * plan.padded_numel, x.device)
         image = plan.padded_matrix(x, scratch[plan.padded_numel:])     # [R, C], x itself when unpadded
-        idx, values = self.select(image, x.shape, scratch)
+        idx, positions, values = self.select_at(image, x.shape, scratch)
         payload = self.write((idx, values), x.shape, check_buffer(out, self.payload_nbytes(x.shape)))
         sent = self.codec.decode(payload.parts["values"], plan.num_chunks, idx.shape[1])   # [C, k], as read() does
-        return Sent(*_unpadded(plan, self.positions(plan, idx).view(-1), sent.view(-1)), (idx, sent))
+        return Sent(*_unpadded(plan, positions.view(-1), sent.view(-1)), (idx, sent))
 
     def scratch(self, numel: int, device) -> torch.Tensor:
         """A flat float32 buffer of at least `numel` elements, reused across calls."""

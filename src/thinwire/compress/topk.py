@@ -88,6 +88,12 @@ class ChunkedTopK:
     def select(self, image: torch.Tensor, shape, scratch: torch.Tensor | None = None) -> Read:
         """The k largest-magnitude coefficients of every chunk of an image [R, C]:
         (chunk-local indices [n_chunks, k], their values [n_chunks, k])."""
+        idx, _, values = self.select_at(image, shape, scratch)
+        return idx, values
+
+    def select_at(self, image: torch.Tensor, shape, scratch: torch.Tensor | None = None):
+        """`select`, with the kept coefficients' flat positions in the image between:
+        (indices [n_chunks, k], positions [n_chunks, k] int64, values [n_chunks, k])."""
         plan, k = self.plan(shape), self.k(shape)
         (gr, gc), h, w = plan.grid, plan.chunk_rows, plan.chunk_cols
         if scratch is None:
@@ -96,7 +102,8 @@ class ChunkedTopK:
         # [R, C] -> [gr, h, gc, w] -> [gr, gc, h, w]: |coefficients| chunk-major, one strided pass
         torch.abs(image.view(gr, h, gc, w).permute(0, 2, 1, 3), out=magnitude)
         idx = largest_indices(magnitude.view(plan.num_chunks, h * w), k)
-        return idx, image.view(-1)[self.positions(plan, idx)]
+        positions = self.positions(plan, idx)
+        return idx, positions, image.view(-1)[positions]
 
     def write(self, read: Read, shape, out: torch.Tensor | None = None) -> Payload:
         """Pack (indices, values) into the wire format; into `out` (flat uint8) if given."""
