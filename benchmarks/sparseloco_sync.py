@@ -1,0 +1,131 @@
+"""What SparseLoCo's sync costs in compute, against its local steps and a plain AdamW step.
+
+    python benchmarks/sparseloco_sync.py [--preset wan] [--sync-every 8] [--delay 6] [--rounds 12]
+
+Two ranks on a real gloo group (one process each, one torch thread each, as the harness runs
+`wan` on 2 cores), the preset's model with random gradients, no link: every step of a round is
+timed on rank 0 and the table gives, per step of the round (median over rounds), its time and
+what it adds to a local step: the sync step (the local step, then the encode: Δ, e, top-k, the
+2-bit values, e', the eager jump and θ_s) and the landing step (the other ranks' bytes read,
+the mean, θ₀, e and the rejoin). The last lines amortise them over the round, beside torch
+AdamW's step on the same parameters (the dense baseline's optimizer step, whose gradient
+all-reduce is not in it). A second table times the compressor's parts on the model's shapes in
+one process: the chunk top-k (`select_at`), the packing (`write`) and the whole `encode_sent`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from thinwire import SparseLoCo
+from thinwire.train.config import get_preset
+from thinwire.train.model import build_model
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _timed_steps(opt, params, rounds: int, every: int, seed: int) -> list[float]:
+    gen = torch.Generator().manual_seed(seed)
+    grads = [[torch.randn(p.shape, generator=gen) * 1e-3 for p in params] for _ in range(every)]
+    times = []
+    for step in range(1, every * (rounds + 2) + 1):
+        for p, g in zip(params, grads[step % every]):
+            p.grad = g
+        start = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return times[2 * every:]                                   # two rounds of warm-up dropped
+
+
+def _worker(rank: int, args, port: int, out) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    cfg = get_preset(args.preset)
+    params = list(build_model(cfg).parameters())
+    opt = SparseLoCo(params, inner=_adamw, sync_every=args.sync_every, overlap=True, delay=args.delay)
+    sparse = _timed_steps(opt, params, args.rounds, args.sync_every, rank)
+    adamw_params = list(build_model(cfg).parameters())
+    dense = _timed_steps(_adamw(adamw_params), adamw_params, args.rounds, args.sync_every, rank)
+    if rank == 0:
+        out.put((sparse, dense))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def round_table(sparse: list[float], dense: list[float], every: int, delay: int) -> None:
+    by_step = [statistics.median(sparse[i::every]) for i in range(every)]   # index 0: step 1 of a round
+    sync, landing = every - 1, (every - 1 + delay) % every                  # the round's last step syncs
+    local = statistics.median(t for i, t in enumerate(by_step) if i not in (sync, landing))
+    print(f"| step of the round | ms | over a local step |\n|---|---|---|")
+    for i, t in enumerate(by_step):
+        what = "sync (encode)" if i == sync else "landing" if i == landing else "local"
+        if sync == landing and i == sync:
+            what = "landing + sync"
+        print(f"| {i + 1} ({what}) | {1e3 * t:.1f} | {1e3 * (t - local):+.1f} |")
+    extra = sum(by_step) - every * local
+    adamw = statistics.median(dense)
+    print(f"| local step, median | {1e3 * local:.1f} | |")
+    print(f"| torch AdamW step | {1e3 * adamw:.1f} | {1e3 * (adamw - local):+.1f} |")
+    print(f"| sync + landing, per round | {1e3 * extra:.1f} | {1e3 * extra / every:.2f} ms per step amortised |")
+
+
+def parts_table(args) -> None:
+    from thinwire.compress import SparseLoCoTopK
+    torch.set_num_threads(1)
+    comp = SparseLoCoTopK()
+    xs = [torch.randn(p.shape) * 1e-3 for p in build_model(get_preset(args.preset)).parameters()]
+    outs = [torch.empty(comp.payload_nbytes(x.shape), dtype=torch.uint8) for x in xs]
+    images = [comp.plan(x.shape).padded_matrix(x) for x in xs]          # x itself where unpadded
+    reads = [comp.select(image, x.shape) for image, x in zip(images, xs)]
+    parts = {
+        "select_at (magnitudes, two-level top-k, gather)": lambda i: comp.select_at(images[i], xs[i].shape),
+        "write (packed indices, 2-bit values)": lambda i: comp.write(reads[i], xs[i].shape, outs[i]),
+        "encode_sent (all of it, with the decode of its own values)": lambda i: comp.encode_sent(xs[i], outs[i]),
+    }
+    print("\n| compressor part, all parameters, one thread | ms |\n|---|---|")
+    for name, fn in parts.items():
+        times = []
+        for _ in range(args.rounds):
+            start = time.perf_counter()
+            for i in range(len(xs)):
+                fn(i)
+            times.append(time.perf_counter() - start)
+        print(f"| {name} | {1e3 * statistics.median(times):.1f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="wan")
+    parser.add_argument("--sync-every", type=int, default=8)
+    parser.add_argument("--delay", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=12)
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.spawn(_worker, args=(args, _free_port(), out), nprocs=2)
+    sparse, dense = out.get()
+    n = sum(p.numel() for p in build_model(get_preset(args.preset)).parameters())
+    print(f"SparseLoCo on `{args.preset}` ({n / 1e6:.2f}M parameters), 2 ranks on gloo, H {args.sync_every}, "
+          f"delay {args.delay}, eager; {args.rounds} rounds after 2 of warm-up, rank 0's steps\n")
+    round_table(sparse, dense, args.sync_every, args.delay)
+    parts_table(args)
+
+
+if __name__ == "__main__":
+    main()
