@@ -13,7 +13,7 @@
     parameters (built by hand from start_step / finish_step, as test_overlap.py does);
   * a state_dict mid-round (and one with a sync in flight, overlap=True) resumes bit for bit;
   * a NaN at a sync with nonfinite='skip': no rank moves its anchor or its e.
-Bad arguments, one process.
+Bad arguments, and the parameters before an eager jump in a checkpoint, one process.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from tests.optim.suite import on_world
 from tests.wire.test_twobit import reference_row
 from thinwire import DiLoCo, SparseLoCo
 from thinwire.compress import ChunkPlan
+from thinwire.optim.checkpoints import INFLIGHT_KEY
 
 H, STEPS, TOPK, CHUNK, BETA, ALPHA, LR = 3, 9, 32, 16, 0.9, 0.8, 1e-2
 SYNCS = [s for s in range(STEPS) if (s + 1) % H == 0]          # 0-based steps that end with a sync
@@ -388,3 +389,39 @@ def test_defaults_are_the_papers():
     assert (c.topk, c.chunk, c.codec.name, c.transform.kind) == (128, 64, "2bit", "identity")
     assert (opt.error_decay, opt.outer_lr, opt.aggregate) == (0.95, 1.0, "mean")
     assert c.k((64, 64)) == 128 and c.k((32, 64)) == 64 and c.k((64,)) == 2      # 3.1 % everywhere
+
+
+def _in_flight_after_a_step(state: dict) -> dict:
+    """A fresh one-rank SparseLoCo loads `state` (an eager, delayed sync in flight) and takes one
+    local step, which sends the loaded sync again without landing it; its state_dict's step in flight."""
+    model = problem.make_model()
+    opt = _sparseloco(list(model.parameters()), overlap=True, delay=H)
+    opt.load_state_dict(state)
+    problem.loss_on(model, *problem.batch(0, H)).backward()
+    opt.step()
+    return opt.state_dict()[INFLIGHT_KEY]["algorithm"]
+
+
+def test_the_parameters_before_an_eager_jump_travel_with_the_sync_in_flight():
+    """One process (world 1): after the sync's step, the checkpoint holds θ before the jump
+    ('before_jump': where the same run without the jump stands, and bit for bit through a
+    reload); a checkpoint written before that key held the jump's offset θ_before − θ_s
+    ('eager_jump'), which loads as θ_before to float rounding."""
+    models = [problem.make_model(), problem.make_model()]
+    opts = [_sparseloco(list(m.parameters()), overlap=True, delay=H, eager=e) for m, e in zip(models, (True, False))]
+    for step in range(H):                                       # the H-th step syncs (and jumps)
+        for model, opt in zip(models, opts):
+            problem.loss_on(model, *problem.batch(0, step)).backward()
+            opt.step()
+            opt.zero_grad()
+    saved = copy.deepcopy(opts[0].state_dict())
+    pending = saved[INFLIGHT_KEY]["algorithm"]
+    assert torch.equal(pending["before_jump"], problem.flat_params(models[1]))   # where no jump left it
+    assert not torch.equal(pending["launched"], pending["before_jump"])         # the jump moved θ
+    reloaded = _in_flight_after_a_step(copy.deepcopy(saved))
+    assert torch.equal(reloaded["before_jump"], pending["before_jump"])
+    older = copy.deepcopy(saved)
+    algorithm = older[INFLIGHT_KEY]["algorithm"]
+    algorithm["eager_jump"] = algorithm.pop("before_jump") - algorithm["launched"]
+    reloaded = _in_flight_after_a_step(older)
+    torch.testing.assert_close(reloaded["before_jump"], pending["before_jump"], rtol=0, atol=1e-6)
