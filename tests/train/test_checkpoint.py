@@ -4,6 +4,7 @@ a clear error before any step, and the previous checkpoint still loads."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -124,6 +125,21 @@ def test_incompatible_checkpoint_names_what_differs(interrupted):
     with pytest.raises(CheckpointError, match=r"n_embd: checkpoint 64, this run 128"):
         check(path, expected_meta(replace(cfg, n_embd=128), "demo", 3e-3, 2))
     check(path, expected_meta(replace(cfg, eval_every=2), "demo", 3e-3, 2))    # evaluation may change
+
+
+def test_a_checkpoint_older_than_a_config_field_resumes_with_its_default(interrupted, tmp_path):
+    """A config field added after a checkpoint was written (its thinwire.json lacks it): that run
+    had the field's default, so a run at the default resumes it and any other value is refused."""
+    whole, _ = interrupted
+    older = tmp_path / "older"
+    shutil.copytree(latest(checkpoint_root(whole)), older)
+    meta = json.loads((older / "thinwire.json").read_text())
+    del meta["config"]["sparseloco_topk"]
+    (older / "thinwire.json").write_text(json.dumps(meta))
+    cfg = get_preset("tiny", **TINY)
+    assert check(older, expected_meta(cfg, "demo", 3e-3, 2))["step"] == meta["step"]
+    with pytest.raises(CheckpointError, match=r"sparseloco_topk: checkpoint 128, this run 64"):
+        check(older, expected_meta(replace(cfg, sparseloco_topk=64), "demo", 3e-3, 2))
 
 
 def test_cli_refuses_a_foreign_checkpoint_before_any_worker_starts(interrupted, tmp_path, capsys):

@@ -105,6 +105,9 @@ def test_demo_sends_over_100x_less(run):
     (["--optimizers", "adamw,apmsqueeze", "--compressed-after", "0.05"],      # 3 of tiny's 60 steps
      "gives APMSqueeze 3 dense warmup step(s); it needs at least 5"),
     (["--optimizers", "demo,apmsqueeze-overlap", "--steps", "20"], "gives APMSqueeze 4 dense warmup step(s)"),
+    (["--sparseloco-topk", "1025", "--sparseloco-chunk", "32"], "sparseloco_topk must be in [1, sparseloco_chunk**2 = 1024]"),
+    (["--sparseloco-chunk", "0"], "sparseloco_chunk must be >= 1"),
+    (["--sparseloco-values", "sign"], "sparseloco_values must be one of 2bit, int8, bf16, fp32"),
 ])
 def test_user_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

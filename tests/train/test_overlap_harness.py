@@ -65,6 +65,21 @@ def test_delayed_entries_keep_each_sync_in_flight_for_a_whole_interval():
         get_preset("tiny", sync_every=5, sync_delay=6)
 
 
+def test_sparseloco_compression_flags_reach_the_optimizer():
+    """--sparseloco-topk/-chunk/-values build SparseLoCo (and its delayed entry) with that
+    compression; without them it is the paper's (top-128 of 64 x 64, 2-bit)."""
+    from thinwire.train.cli import build_parser, config_from_args
+    argv = ["compare", "--preset", "tiny", "--sparseloco-topk", "32", "--sparseloco-chunk", "32",
+            "--sparseloco-values", "int8"]
+    cfg = config_from_args(build_parser().parse_args(argv))
+    for name in ("sparseloco", "sparseloco-delayed"):
+        c = get_optimizer(name).build(build_model(cfg), cfg, 1e-3).optimizer.compressor
+        assert (c.topk, c.chunk, c.codec.name) == (32, 32, "int8"), name
+    default = config_from_args(build_parser().parse_args(["compare", "--preset", "tiny"]))
+    c = get_optimizer("sparseloco").build(build_model(default), default, 1e-3).optimizer.compressor
+    assert (c.topk, c.chunk, c.codec.name) == (128, 64, "2bit")
+
+
 def _ddp_run(rank, world, calibrate: bool):
     from thinwire.train.data import train_batch
     from thinwire.train.worker import _timed_step

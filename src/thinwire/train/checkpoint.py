@@ -34,6 +34,7 @@ complete one. The newest `keep` complete checkpoints are kept.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -45,12 +46,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .config import TrainConfig
+
 META = "thinwire.json"
 _NAME = re.compile(r"^step-(\d{6,})$")
 # Config fields a resumed run may change: evaluation does not touch the trajectory; the
 # world size (checkpoint "world", config "workers") and, with the same ranks per site, the
 # number of sites (checked in _layout_diffs) are mapped (train/elastic.py).
 MAY_DIFFER = ("eval_every", "workers", "sites")
+# A config field added after a checkpoint was written: that run had the field's default.
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
 
 class CheckpointError(ValueError):
@@ -110,6 +115,7 @@ def check(path: Path, expect: dict) -> dict:
     saved, now = meta.get("config", {}), expect.get("config", {})
     diffs += _layout_diffs(meta.get("world", expect.get("world")), saved.get("sites") or 0,
                            expect.get("world", meta.get("world")), now.get("sites") or 0)
+    saved = {**_FIELD_DEFAULTS, **saved}    # a field newer than the checkpoint: it ran with its default
     for key in sorted(set(saved) | set(now)):
         if key not in MAY_DIFFER and saved.get(key) != now.get(key):
             diffs.append(f"{key}: checkpoint {saved.get(key)!r}, this run {now.get(key)!r}")

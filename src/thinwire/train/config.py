@@ -51,6 +51,9 @@ class TrainConfig:
     sync_every: int = 32         # LoRDO, DiLoCo and SparseLoCo: local steps between synchronisations
     lowrank: int = 0             # LoRDO: rank r of the projection (0: min(256, n_embd / 4))
     sync_delay: int = 0          # diloco-delayed, sparseloco-delayed: steps a sync stays in flight (0: sync_every)
+    sparseloco_topk: int = 128   # SparseLoCo: values kept per chunk x chunk chunk (the paper's 128 of 64 x 64)
+    sparseloco_chunk: int = 64   # SparseLoCo: target chunk side
+    sparseloco_values: str = "2bit"  # SparseLoCo: wire format of the kept values (2bit, int8, bf16, fp32)
     overlap: bool = False        # thinwire optimizers: overlap=True (each step's exchange in flight during the next compute)
 
     @property
@@ -142,6 +145,10 @@ FIELD_HELP = {
     "lowrank": "LoRDO: projection rank (0: width / 4, at most 256)",
     "sync_delay": "diloco-delayed and sparseloco-delayed: steps each sync stays in flight before it lands, "
                   "the replicas keeping their local steps (SparseLoCo's from its eager jump; 0: sync_every, a whole interval)",
+    "sparseloco_topk": "SparseLoCo: values kept per chunk x chunk chunk, the density on every chunk "
+                       "(default 128: 3.1 %%, the paper's)",
+    "sparseloco_chunk": "SparseLoCo: target chunk side (default 64; 32 packs each index in 10 bits, not 12)",
+    "sparseloco_values": "SparseLoCo: wire format of the kept values, 2bit|int8|bf16|fp32 (default 2bit)",
     "overlap": "thinwire optimizers: leave each step's exchange in flight while the next step computes "
                "(overlap=True); refused for PowerSGD and the DDP baselines",
 }
@@ -179,6 +186,17 @@ PRESETS = {
 FAMILY_DEFAULTS = {("small", "llama"): {"topk": 44}}
 
 
+def _check_sparseloco(cfg: TrainConfig) -> None:
+    from ..compress.sparseloco_topk import SPARSE_VALUES
+    if cfg.sparseloco_chunk < 1:
+        raise ValueError(f"sparseloco_chunk must be >= 1, got {cfg.sparseloco_chunk}")
+    if not 1 <= cfg.sparseloco_topk <= cfg.sparseloco_chunk ** 2:
+        raise ValueError(f"sparseloco_topk must be in [1, sparseloco_chunk**2 = {cfg.sparseloco_chunk ** 2}], "
+                         f"got {cfg.sparseloco_topk}")
+    if cfg.sparseloco_values not in SPARSE_VALUES:
+        raise ValueError(f"sparseloco_values must be one of {', '.join(SPARSE_VALUES)}, got {cfg.sparseloco_values!r}")
+
+
 def get_preset(name: str, **overrides) -> TrainConfig:
     """The preset `name` with its family's defaults (FAMILY_DEFAULTS, for overrides["model"]) and
     the non-None `overrides` applied; ValueError for unknown names."""
@@ -200,6 +218,7 @@ def get_preset(name: str, **overrides) -> TrainConfig:
         raise ValueError(f"values must be one of fp32, bf16, int8, sign, got {cfg.values!r}")
     from ..compress.spec import parse_compressor
     parse_compressor(cfg.uplink, "uplink")                 # ValueError naming the bad spec
+    _check_sparseloco(cfg)
     if not 0.0 <= cfg.compressed_after <= 1.0:
         raise ValueError(f"compressed_after must be in [0, 1], got {cfg.compressed_after}")
     if not 0 <= cfg.sync_delay <= cfg.sync_every:
