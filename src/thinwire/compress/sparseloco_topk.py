@@ -72,6 +72,7 @@ class SparseLoCoTopK(ChunkedTopK):
             raise ValueError(f"topk must be at most chunk**2 = {self.chunk ** 2} (every element), got {topk}")
         if values == "2bit":
             self.codec = OneRow(self.codec)
+        self._buffer: torch.Tensor | None = None                     # `scratch`, grown as needed
 
     def encode_sent(self, x: torch.Tensor, out: torch.Tensor, step: int = 0) -> Sent:
         """encode(x, out, step) (x float32, contiguous), and what receivers decode from `out`:
@@ -90,10 +91,9 @@ class SparseLoCoTopK(ChunkedTopK):
 
     def scratch(self, numel: int, device) -> torch.Tensor:
         """A flat float32 buffer of at least `numel` elements, reused across calls."""
-        buf = getattr(self, "_buffer", None)
-        if buf is None or buf.numel() < numel or buf.device != torch.device(device):
-            self._buffer = buf = torch.empty(numel, dtype=torch.float32, device=device)
-        return buf
+        if self._buffer is None or self._buffer.numel() < numel or self._buffer.device != torch.device(device):
+            self._buffer = torch.empty(numel, dtype=torch.float32, device=device)
+        return self._buffer
 
     def k(self, shape) -> int:
         elems = self.plan(shape).chunk_elems

@@ -257,7 +257,7 @@ class SparseLoCo(DiLoCo):
         elif "eager_jump" in saved:          # written before 'before_jump': θ_before − θ_s, to float rounding
             self._x = saved["eager_jump"].to(device).add(self._launched)
         if "unsent" in saved:
-            self._unsent = saved["unsent"].to(record.layout[0].param.device).clone()
+            self._unsent = saved["unsent"].to(device).clone()
 
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         rows, self._eager_jumped = delivery.data, False             # [R, payload bytes], rank order
