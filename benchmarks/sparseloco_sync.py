@@ -1,6 +1,7 @@
 """What SparseLoCo's sync costs in compute, against its local steps and a plain AdamW step.
 
     python benchmarks/sparseloco_sync.py [--preset wan] [--sync-every 8] [--delay 6] [--rounds 12]
+                                         [--topk 128] [--chunk 64]
 
 Two ranks on a real gloo group (one process each, one torch thread each, as the harness runs
 `wan` on 2 cores), the preset's model with random gradients, no link: every step of a round is
@@ -53,7 +54,8 @@ def _worker(rank: int, args, port: int, out) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     cfg = get_preset(args.preset)
     params = list(build_model(cfg).parameters())
-    opt = SparseLoCo(params, inner=_adamw, sync_every=args.sync_every, overlap=True, delay=args.delay)
+    opt = SparseLoCo(params, inner=_adamw, sync_every=args.sync_every, overlap=True, delay=args.delay,
+                     topk=args.topk, chunk=args.chunk)
     sparse = _timed_steps(opt, params, args.rounds, args.sync_every, rank)
     adamw_params = list(build_model(cfg).parameters())
     dense = _timed_steps(_adamw(adamw_params), adamw_params, args.rounds, args.sync_every, rank)
@@ -88,7 +90,7 @@ def round_table(sparse: list[float], dense: list[float], every: int, delay: int)
 def parts_table(args) -> None:
     from thinwire.compress import SparseLoCoTopK
     torch.set_num_threads(1)
-    comp = SparseLoCoTopK()
+    comp = SparseLoCoTopK(args.topk, args.chunk)
     xs = [torch.randn(p.shape) * 1e-3 for p in build_model(get_preset(args.preset)).parameters()]
     outs = [torch.empty(comp.payload_nbytes(x.shape), dtype=torch.uint8) for x in xs]
     images = [comp.plan(x.shape).padded_matrix(x) for x in xs]          # x itself where unpadded
@@ -115,6 +117,8 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=8)
     parser.add_argument("--delay", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--topk", type=int, default=128, help="values kept per chunk (the paper's 128)")
+    parser.add_argument("--chunk", type=int, default=64, help="target chunk side (the paper's 64)")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
@@ -122,7 +126,7 @@ def main() -> None:
     sparse, dense = out.get()
     n = sum(p.numel() for p in build_model(get_preset(args.preset)).parameters())
     print(f"SparseLoCo on `{args.preset}` ({n / 1e6:.2f}M parameters), 2 ranks on gloo, H {args.sync_every}, "
-          f"delay {args.delay}, eager; {args.rounds} rounds after 2 of warm-up, rank 0's steps\n")
+          f"delay {args.delay}, eager, top-{args.topk} of {args.chunk} x {args.chunk}; {args.rounds} rounds after 2 of warm-up, rank 0's steps\n")
     round_table(sparse, dense, args.sync_every, args.delay)
     parts_table(args)
 

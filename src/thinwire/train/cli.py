@@ -15,8 +15,9 @@ import sys
 DEFAULT_COMPARE = "adamw,powersgd,demo"
 _OVERRIDES = ("model", "init_from", "workers", "sites", "n_layer", "n_embd", "n_head", "context", "vocab_size", "rows",
               "steps", "eval_every", "eval_rows", "seed", "lr", "topk", "chunk", "alpha", "beta", "momentum_form", "rank", "values", "compressed_after",
-              "uplink", "sync_every", "sync_delay", "lowrank", "sparseloco_topk", "sparseloco_chunk", "sparseloco_values")
-_FLOATS = ("lr", "alpha", "beta", "compressed_after")
+              "uplink", "sync_every", "sync_delay", "lowrank", "sparseloco_topk", "sparseloco_chunk", "sparseloco_values",
+              "sparseloco_error_decay", "sparseloco_outer_lr")
+_FLOATS = ("lr", "alpha", "beta", "compressed_after", "sparseloco_error_decay", "sparseloco_outer_lr")
 _STRINGS = ("model", "init_from", "values", "uplink", "momentum_form", "sparseloco_values")
 
 

@@ -54,6 +54,8 @@ class TrainConfig:
     sparseloco_topk: int = 128   # SparseLoCo: values kept per chunk x chunk chunk (the paper's 128 of 64 x 64)
     sparseloco_chunk: int = 64   # SparseLoCo: target chunk side
     sparseloco_values: str = "2bit"  # SparseLoCo: wire format of the kept values (2bit, int8, bf16, fp32)
+    sparseloco_error_decay: float = 0.95  # SparseLoCo: β of the error feedback e <- βe + Δ (the paper's 0.95)
+    sparseloco_outer_lr: float = 1.0      # SparseLoCo: α of the outer step θ₀ <- θ₀ - α mean(Δ̂) (the paper's 1)
     overlap: bool = False        # thinwire optimizers: overlap=True (each step's exchange in flight during the next compute)
 
     @property
@@ -149,6 +151,10 @@ FIELD_HELP = {
                        "(default 128: 3.1 %%, the paper's)",
     "sparseloco_chunk": "SparseLoCo: target chunk side (default 64; 32 packs each index in 10 bits, not 12)",
     "sparseloco_values": "SparseLoCo: wire format of the kept values, 2bit|int8|bf16|fp32 (default 2bit)",
+    "sparseloco_error_decay": "SparseLoCo: decay beta of the error feedback e <- beta e + delta, in [0, 1] "
+                              "(default 0.95, the paper's)",
+    "sparseloco_outer_lr": "SparseLoCo: outer learning rate alpha of theta0 <- theta0 - alpha mean(sent), > 0 "
+                           "(default 1, the paper's)",
     "overlap": "thinwire optimizers: leave each step's exchange in flight while the next step computes "
                "(overlap=True); refused for PowerSGD and the DDP baselines",
 }
@@ -195,6 +201,10 @@ def _check_sparseloco(cfg: TrainConfig) -> None:
                          f"got {cfg.sparseloco_topk}")
     if cfg.sparseloco_values not in SPARSE_VALUES:
         raise ValueError(f"sparseloco_values must be one of {', '.join(SPARSE_VALUES)}, got {cfg.sparseloco_values!r}")
+    if not 0.0 <= cfg.sparseloco_error_decay <= 1.0:
+        raise ValueError(f"sparseloco_error_decay must be in [0, 1], got {cfg.sparseloco_error_decay}")
+    if not cfg.sparseloco_outer_lr > 0.0:
+        raise ValueError(f"sparseloco_outer_lr must be > 0, got {cfg.sparseloco_outer_lr}")
 
 
 def get_preset(name: str, **overrides) -> TrainConfig:
