@@ -83,6 +83,20 @@ def test_sparseloco_compression_flags_reach_the_optimizer():
     assert (c.topk, c.chunk, c.codec.name, opt.error_decay, opt.outer_lr) == (128, 64, "2bit", 0.95, 1.0)
 
 
+def test_diloco_outer_flags_reach_the_optimizer():
+    """--diloco-outer-lr/-momentum build DiLoCo (and its delayed entry) with that outer step;
+    without them it is the published Nesterov 0.7 / 0.9."""
+    from thinwire.train.cli import build_parser, config_from_args
+    argv = ["compare", "--preset", "tiny", "--diloco-outer-lr", "1", "--diloco-outer-momentum", "0"]
+    cfg = config_from_args(build_parser().parse_args(argv))
+    for name in ("diloco", "diloco-delayed"):
+        opt = get_optimizer(name).build(build_model(cfg), cfg, 1e-3).optimizer
+        assert (opt.outer_lr, opt.outer_momentum) == (1.0, 0.0), name
+    default = config_from_args(build_parser().parse_args(["compare", "--preset", "tiny"]))
+    opt = get_optimizer("diloco").build(build_model(default), default, 1e-3).optimizer
+    assert (opt.outer_lr, opt.outer_momentum) == (0.7, 0.9)
+
+
 def _ddp_run(rank, world, calibrate: bool):
     from thinwire.train.data import train_batch
     from thinwire.train.worker import _timed_step

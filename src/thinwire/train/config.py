@@ -56,6 +56,8 @@ class TrainConfig:
     sparseloco_values: str = "2bit"  # SparseLoCo: wire format of the kept values (2bit, int8, bf16, fp32)
     sparseloco_error_decay: float = 0.95  # SparseLoCo: β of the error feedback e <- βe + Δ (the paper's 0.95)
     sparseloco_outer_lr: float = 1.0      # SparseLoCo: α of the outer step θ₀ <- θ₀ - α mean(Δ̂) (the paper's 1)
+    diloco_outer_lr: float = 0.7          # DiLoCo: outer Nesterov learning rate (the published 0.7)
+    diloco_outer_momentum: float = 0.9    # DiLoCo: outer Nesterov momentum (the published 0.9; 0: plain averaging)
     overlap: bool = False        # thinwire optimizers: overlap=True (each step's exchange in flight during the next compute)
 
     @property
@@ -155,6 +157,9 @@ FIELD_HELP = {
                               "(default 0.95, the paper's)",
     "sparseloco_outer_lr": "SparseLoCo: outer learning rate alpha of theta0 <- theta0 - alpha mean(sent), > 0 "
                            "(default 1, the paper's)",
+    "diloco_outer_lr": "DiLoCo: outer Nesterov learning rate, > 0 (default 0.7, the published)",
+    "diloco_outer_momentum": "DiLoCo: outer Nesterov momentum, in [0, 1) (default 0.9, the published; "
+                             "0 with --diloco-outer-lr 1: the replicas' plain average)",
     "overlap": "thinwire optimizers: leave each step's exchange in flight while the next step computes "
                "(overlap=True); refused for PowerSGD and the DDP baselines",
 }
@@ -192,7 +197,8 @@ PRESETS = {
 FAMILY_DEFAULTS = {("small", "llama"): {"topk": 44}}
 
 
-def _check_sparseloco(cfg: TrainConfig) -> None:
+def _check_outer(cfg: TrainConfig) -> None:
+    """SparseLoCo's and DiLoCo's fields, each error naming its CLI field."""
     from ..compress.sparseloco_topk import SPARSE_VALUES
     if cfg.sparseloco_chunk < 1:
         raise ValueError(f"sparseloco_chunk must be >= 1, got {cfg.sparseloco_chunk}")
@@ -205,6 +211,10 @@ def _check_sparseloco(cfg: TrainConfig) -> None:
         raise ValueError(f"sparseloco_error_decay must be in [0, 1], got {cfg.sparseloco_error_decay}")
     if not cfg.sparseloco_outer_lr > 0.0:
         raise ValueError(f"sparseloco_outer_lr must be > 0, got {cfg.sparseloco_outer_lr}")
+    if not cfg.diloco_outer_lr > 0.0:
+        raise ValueError(f"diloco_outer_lr must be > 0, got {cfg.diloco_outer_lr}")
+    if not 0.0 <= cfg.diloco_outer_momentum < 1.0:
+        raise ValueError(f"diloco_outer_momentum must be in [0, 1), got {cfg.diloco_outer_momentum}")
 
 
 def get_preset(name: str, **overrides) -> TrainConfig:
@@ -228,7 +238,7 @@ def get_preset(name: str, **overrides) -> TrainConfig:
         raise ValueError(f"values must be one of fp32, bf16, int8, sign, got {cfg.values!r}")
     from ..compress.spec import parse_compressor
     parse_compressor(cfg.uplink, "uplink")                 # ValueError naming the bad spec
-    _check_sparseloco(cfg)
+    _check_outer(cfg)
     if not 0.0 <= cfg.compressed_after <= 1.0:
         raise ValueError(f"compressed_after must be in [0, 1], got {cfg.compressed_after}")
     if not 0 <= cfg.sync_delay <= cfg.sync_every:

@@ -229,6 +229,7 @@ def _delay(cfg, delayed: bool) -> dict:
 def _diloco(model, cfg, lr, group=None, delayed: bool = False):
     inner = lambda ps: _torch_adamw(ps, cfg, lr)  # noqa: E731
     return _wrap(DiLoCo(model.parameters(), inner=inner, sync_every=cfg.sync_every, process_group=group,
+                        outer_lr=cfg.diloco_outer_lr, outer_momentum=cfg.diloco_outer_momentum,
                         **_delay(cfg, delayed)), model, replicas_drift=True)
 
 
