@@ -103,7 +103,7 @@ def _shifts(width: int, g: int, device) -> torch.Tensor:
 
 def _pack_words(vg: torch.Tensor, width: int, dst: torch.Tensor) -> None:
     """_pack_groups for a group that fits one int64 below its sign bit (lcm(width, 8) <= 56
-    bits: every width but 9, 11, 13, 15 and 17..): the group's word is Σ_j v_j << j·width
+    bits: widths 1-8, 10, 12, 14, 20, 24, 28): the group's word is Σ_j v_j << j·width
     (disjoint bit ranges, so the sum is their OR), then its low bytes. 3 tensor ops instead of
     about 2 per value of the group."""
     m, g = vg.shape
