@@ -16,15 +16,13 @@ step, and the round's ratio: SparseLoCo's time per round over `sync_every` AdamW
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from sparseloco_sync import join_gloo, on_two_ranks, round_arguments   # this folder's
 from torch.nn.parallel import DistributedDataParallel
 
 WARMUP_BLOCKS = 2
@@ -47,9 +45,7 @@ def _worker(rank: int, args, port: int, out) -> None:
     from thinwire.train.config import get_preset
     from thinwire.train.data import train_batch
     from thinwire.train.model import build_model
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join_gloo(rank, port)
     cfg, h = get_preset(args.preset), args.sync_every
     ids = torch.randint(0, cfg.vocab_size, (200_000,), generator=torch.Generator().manual_seed(0))
     ddp = DistributedDataParallel(build_model(cfg))
@@ -79,20 +75,10 @@ def _worker(rank: int, args, port: int, out) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="wan")
-    parser.add_argument("--sync-every", type=int, default=8)
-    parser.add_argument("--delay", type=int, default=6)
-    parser.add_argument("--topk", type=int, default=32)
-    parser.add_argument("--chunk", type=int, default=32)
+    round_arguments(parser, topk=32, chunk=32)
     parser.add_argument("--blocks", type=int, default=24, help="timed rounds of each (after 2 of warm-up)")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    mp.spawn(_worker, args=(args, port, out), nprocs=2)
-    adamw, rounds = out.get()
+    adamw, rounds = on_two_ranks(_worker, args)
     h = args.sync_every
     sync, landing = h - 1, (h - 1 + args.delay) % h
     by_step = [statistics.median(rounds[i]) for i in range(h)]

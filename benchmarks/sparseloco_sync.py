@@ -49,9 +49,7 @@ def _timed_steps(opt, params, rounds: int, every: int, seed: int) -> list[float]
 
 
 def _worker(rank: int, args, port: int, out) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join_gloo(rank, port)
     cfg = get_preset(args.preset)
     params = list(build_model(cfg).parameters())
     opt = SparseLoCo(params, inner=_adamw, sync_every=args.sync_every, overlap=True, delay=args.delay,
@@ -64,10 +62,30 @@ def _worker(rank: int, args, port: int, out) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def join_gloo(rank: int, port: int) -> None:
+    """This worker: one torch thread, rank `rank` of a 2-rank gloo group on localhost:`port`."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+
+
+def on_two_ranks(worker, args):
+    """worker(rank, args, port, out) in 2 spawned processes; what rank 0 put on `out`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    out = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(worker, args=(args, port, out), nprocs=2)
+    return out.get()
+
+
+def round_arguments(parser: argparse.ArgumentParser, topk: int, chunk: int) -> None:
+    """The options of both SparseLoCo benchmarks: the preset, H, τ and the compression."""
+    parser.add_argument("--preset", default="wan")
+    parser.add_argument("--sync-every", type=int, default=8)
+    parser.add_argument("--delay", type=int, default=6)
+    parser.add_argument("--topk", type=int, default=topk, help=f"values kept per chunk (default {topk})")
+    parser.add_argument("--chunk", type=int, default=chunk, help=f"target chunk side (default {chunk})")
 
 
 def round_table(sparse: list[float], dense: list[float], every: int, delay: int) -> None:
@@ -113,17 +131,10 @@ def parts_table(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="wan")
-    parser.add_argument("--sync-every", type=int, default=8)
-    parser.add_argument("--delay", type=int, default=6)
+    round_arguments(parser, topk=128, chunk=64)                   # the paper's
     parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--topk", type=int, default=128, help="values kept per chunk (the paper's 128)")
-    parser.add_argument("--chunk", type=int, default=64, help="target chunk side (the paper's 64)")
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    mp.spawn(_worker, args=(args, _free_port(), out), nprocs=2)
-    sparse, dense = out.get()
+    sparse, dense = on_two_ranks(_worker, args)
     n = sum(p.numel() for p in build_model(get_preset(args.preset)).parameters())
     print(f"SparseLoCo on `{args.preset}` ({n / 1e6:.2f}M parameters), 2 ranks on gloo, H {args.sync_every}, "
           f"delay {args.delay}, eager, top-{args.topk} of {args.chunk} x {args.chunk}; {args.rounds} rounds after 2 of warm-up, rank 0's steps\n")

@@ -197,7 +197,7 @@ PRESETS = {
 FAMILY_DEFAULTS = {("small", "llama"): {"topk": 44}}
 
 
-def _check_outer(cfg: TrainConfig) -> None:
+def _check_sparseloco_diloco(cfg: TrainConfig) -> None:
     """SparseLoCo's and DiLoCo's fields, each error naming its CLI field."""
     from ..compress.sparseloco_topk import SPARSE_VALUES
     if cfg.sparseloco_chunk < 1:
@@ -238,7 +238,7 @@ def get_preset(name: str, **overrides) -> TrainConfig:
         raise ValueError(f"values must be one of fp32, bf16, int8, sign, got {cfg.values!r}")
     from ..compress.spec import parse_compressor
     parse_compressor(cfg.uplink, "uplink")                 # ValueError naming the bad spec
-    _check_outer(cfg)
+    _check_sparseloco_diloco(cfg)
     if not 0.0 <= cfg.compressed_after <= 1.0:
         raise ValueError(f"compressed_after must be in [0, 1], got {cfg.compressed_after}")
     if not 0 <= cfg.sync_delay <= cfg.sync_every:
