@@ -33,6 +33,7 @@ from thinwire.compress import ChunkPlan
 from thinwire.optim.checkpoints import INFLIGHT_KEY
 
 H, STEPS, TOPK, CHUNK, BETA, ALPHA, LR = 3, 9, 32, 16, 0.9, 0.8, 1e-2
+EAGER_SCALE = 1.5                                             # c of the eager jump, where a test sets it
 SYNCS = [s for s in range(STEPS) if (s + 1) % H == 0]          # 0-based steps that end with a sync
 
 
@@ -85,11 +86,11 @@ def compress(x: torch.Tensor) -> torch.Tensor:
     return out[: plan.rows, : plan.cols].reshape(x.shape)
 
 
-def reference(world: int, delay: int = 0, eager: bool = False) -> dict:
+def reference(world: int, delay: int = 0, eager: bool = False, scale: float = 1.0) -> dict:
     """R replicas: θ₀ after every step, each replica's parameters and e at the end. delay τ > 0
     (overlap): the sync of step s lands at the start of step s + τ (after its gradient, before
     its local step), or at the end, and each replica keeps what it did since: θ ← θ₀ + (θ − θ_s);
-    eager: at step s each replica first jumps to θ_s = θ₀ − α Δ̂_r (its own message)."""
+    eager: at step s each replica first jumps to θ_s = θ₀ − c α Δ̂_r (its own message, c = scale)."""
     models = [problem.make_model() for _ in range(world)]
     inners = [_adamw(list(m.parameters())) for m in models]
     anchor = [p.detach().clone() for p in models[0].parameters()]
@@ -128,7 +129,7 @@ def reference(world: int, delay: int = 0, eager: bool = False) -> dict:
             if eager:
                 for r, model in enumerate(models):
                     for i, p in enumerate(model.parameters()):
-                        p.data = anchor[i] - sent[r][i] * ALPHA                   # θ_s = θ₀ − α Δ̂_r
+                        p.data = anchor[i] - sent[r][i] * (scale * ALPHA)         # θ_s = θ₀ − c α Δ̂_r
             if delay:
                 in_flight = (step + delay, sent, [[p.detach().clone() for p in m.parameters()] for m in models])
             else:
@@ -228,6 +229,8 @@ def checks(rank: int, world: int) -> dict:
         "delay2": _run(rank, lambda ps: _sparseloco(ps, overlap=True, delay=2, eager=False)),
         f"delay{H}": _run(rank, lambda ps: _sparseloco(ps, overlap=True, delay=H)),         # eager, the default
         "reference2": reference(world, 2), f"reference{H}": reference(world, H, eager=True),
+        "scaled": _run(rank, lambda ps: _sparseloco(ps, overlap=True, delay=H, eager_scale=EAGER_SCALE)),
+        "reference_scaled": reference(world, H, eager=True, scale=EAGER_SCALE),
         **{f"nan_eager{e}": _run(rank, lambda ps, e=e: _sparseloco(ps, overlap=True, delay=H, eager=e,
                                                                      nonfinite="skip"), steps=H, nan_at=H - 1)
            for e in (True, False)},
@@ -308,14 +311,15 @@ def test_a_skipped_sync_moves_no_anchor_and_no_error(outcome):
         assert torch.isfinite(nan["final"]).all()
 
 
-@pytest.mark.parametrize("delay", [2, H])
-def test_a_delayed_sync_matches_the_reference_bit_for_bit(outcome, delay):
+@pytest.mark.parametrize("name, reference_name", [("delay2", "reference2"), (f"delay{H}", f"reference{H}"),
+                                                   ("scaled", "reference_scaled")])
+def test_a_delayed_sync_matches_the_reference_bit_for_bit(outcome, name, reference_name):
     """delay τ: θ₀ after every step, each replica at the end and its e, against the reference's
     landing at step s + τ with the replica's own local steps kept (τ = 2 from where it stood,
-    τ = H eager: from its jump to θ₀ − α Δ̂_r)."""
+    τ = H eager: from its jump to θ₀ − c α Δ̂_r, c = 1 and EAGER_SCALE)."""
     _, ranks = outcome
     for rank, r in enumerate(ranks):
-        run, ref = r[f"delay{delay}"], r[f"reference{delay}"]
+        run, ref = r[name], r[reference_name]
         for step in range(STEPS):
             assert torch.equal(run["anchors"][step], ref["anchors"][step]), (rank, step)
         assert torch.equal(run["final"], ref["final"][rank])
@@ -374,7 +378,9 @@ def test_a_skipped_delayed_sync_undoes_the_eager_jump(outcome):
     ({"error_decay": 1.5}, "error_decay"), ({"error_decay": -0.1}, "error_decay"), ({"outer_lr": 0.0}, "outer_lr"),
     ({"aggregate": "sum"}, "aggregate"), ({"nonfinite": "ignore"}, "nonfinite"), ({"overlap": 1}, "overlap"),
     ({"delay": 2}, "delay"), ({"delay": 0, "overlap": True}, "delay"), ({"delay": 4, "sync_every": 3, "overlap": True}, "delay"),
-    ({"delay": 1.0, "overlap": True}, "delay"), ({"eager": 1}, "eager"),
+    ({"delay": 1.0, "overlap": True}, "delay"), ({"eager": 1}, "eager"), ({"eager_scale": -0.5}, "eager_scale"),
+    ({"eager_scale": float("inf")}, "eager_scale"), ({"eager_scale": float("nan")}, "eager_scale"),
+    ({"eager_scale": True}, "eager_scale"),
     ({"inner": lambda ps: 3}, "inner"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, name):
@@ -425,3 +431,11 @@ def test_the_parameters_before_an_eager_jump_travel_with_the_sync_in_flight():
     algorithm["eager_jump"] = algorithm.pop("before_jump") - algorithm["launched"]
     reloaded = _in_flight_after_a_step(older)
     torch.testing.assert_close(reloaded["before_jump"], pending["before_jump"], rtol=0, atol=1e-6)
+
+
+def test_the_eager_scale_is_where_the_in_flight_steps_start(outcome):
+    """c = EAGER_SCALE moves the replicas off the c = 1 run's (their in-flight gradients are taken
+    at θ₀ − c α Δ̂_r); that it moves them exactly there is the reference test's."""
+    _, ranks = outcome
+    for r in ranks:
+        assert not torch.equal(r["scaled"]["final"], r[f"delay{H}"]["final"])

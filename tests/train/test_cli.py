@@ -110,6 +110,7 @@ def test_demo_sends_over_100x_less(run):
     (["--sparseloco-values", "sign"], "sparseloco_values must be one of 2bit, int8, bf16, fp32"),
     (["--sparseloco-error-decay", "1.5"], "sparseloco_error_decay must be in [0, 1]"),
     (["--sparseloco-outer-lr", "0"], "sparseloco_outer_lr must be > 0"),
+    (["--sparseloco-eager-scale", "-1"], "sparseloco_eager_scale must be a finite number >= 0"),
     (["--diloco-outer-lr", "-1"], "diloco_outer_lr must be > 0"),
     (["--diloco-outer-momentum", "1"], "diloco_outer_momentum must be in [0, 1)"),
 ])

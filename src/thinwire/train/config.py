@@ -56,6 +56,7 @@ class TrainConfig:
     sparseloco_values: str = "2bit"  # SparseLoCo: wire format of the kept values (2bit, int8, bf16, fp32)
     sparseloco_error_decay: float = 0.95  # SparseLoCo: β of the error feedback e <- βe + Δ (the paper's 0.95)
     sparseloco_outer_lr: float = 1.0      # SparseLoCo: α of the outer step θ₀ <- θ₀ - α mean(Δ̂) (the paper's 1)
+    sparseloco_eager_scale: float = 1.0   # sparseloco-delayed: c of the eager jump θ <- θ₀ - c α Δ̂_r (1: its estimate)
     diloco_outer_lr: float = 0.7          # DiLoCo: outer Nesterov learning rate (the published 0.7)
     diloco_outer_momentum: float = 0.9    # DiLoCo: outer Nesterov momentum (the published 0.9; 0: plain averaging)
     overlap: bool = False        # thinwire optimizers: overlap=True (each step's exchange in flight during the next compute)
@@ -157,6 +158,8 @@ FIELD_HELP = {
                               "(default 0.95, the paper's)",
     "sparseloco_outer_lr": "SparseLoCo: outer learning rate alpha of theta0 <- theta0 - alpha mean(sent), > 0 "
                            "(default 1, the paper's)",
+    "sparseloco_eager_scale": "sparseloco-delayed: c of the eager jump theta <- theta0 - c alpha (own message) "
+                              "when a sync leaves, a finite number >= 0 (default 1: the message's own estimate)",
     "diloco_outer_lr": "DiLoCo: outer Nesterov learning rate, > 0 (default 0.7, the published)",
     "diloco_outer_momentum": "DiLoCo: outer Nesterov momentum, in [0, 1) (default 0.9, the published; "
                              "0 with --diloco-outer-lr 1: the replicas' plain average)",
@@ -211,6 +214,8 @@ def _check_sparseloco_diloco(cfg: TrainConfig) -> None:
         raise ValueError(f"sparseloco_error_decay must be in [0, 1], got {cfg.sparseloco_error_decay}")
     if not cfg.sparseloco_outer_lr > 0.0:
         raise ValueError(f"sparseloco_outer_lr must be > 0, got {cfg.sparseloco_outer_lr}")
+    if not 0.0 <= cfg.sparseloco_eager_scale < float("inf"):
+        raise ValueError(f"sparseloco_eager_scale must be a finite number >= 0, got {cfg.sparseloco_eager_scale}")
     if not cfg.diloco_outer_lr > 0.0:
         raise ValueError(f"diloco_outer_lr must be > 0, got {cfg.diloco_outer_lr}")
     if not 0.0 <= cfg.diloco_outer_momentum < 1.0:

@@ -236,7 +236,8 @@ def _diloco(model, cfg, lr, group=None, delayed: bool = False):
 def _sparseloco(model, cfg, lr, group=None, delayed: bool = False):
     """SparseLoCo with the run's compression (by default the paper's: top-128 of 64 x 64 chunks,
     2-bit values; --sparseloco-topk/-chunk/-values), its β and α (by default the paper's 0.95 and 1;
-    --sparseloco-error-decay, --sparseloco-outer-lr), and the run's H, so it compares
+    --sparseloco-error-decay, --sparseloco-outer-lr), its eager jump's c when delayed
+    (--sparseloco-eager-scale), and the run's H, so it compares
     with DiLoCo at the same sync interval. The tiny preset's matrices are [256|192|64|32, 64] and
     [64, 256]: 64 x 64 chunks (wpe's 32 x 64 keeps 64, a norm's 64 keeps 2), the same 3.1 %
     everywhere."""
@@ -244,7 +245,8 @@ def _sparseloco(model, cfg, lr, group=None, delayed: bool = False):
     return _wrap(SparseLoCo(model.parameters(), inner=inner, sync_every=cfg.sync_every, process_group=group,
                             topk=cfg.sparseloco_topk, chunk=cfg.sparseloco_chunk, values=cfg.sparseloco_values,
                             error_decay=cfg.sparseloco_error_decay, outer_lr=cfg.sparseloco_outer_lr,
-                            **_delay(cfg, delayed)), model, replicas_drift=True)
+                            eager_scale=cfg.sparseloco_eager_scale, **_delay(cfg, delayed)), model,
+                 replicas_drift=True)
 
 
 def _powersgd(model, cfg, lr, group=None):
