@@ -79,40 +79,40 @@ def _checkpoint(model, opt) -> dict:
 
 
 def case_run(name, rank, dtype=torch.float32):
-    """A run that takes a state_dict half way (RESUME_AT of STEPS, or of the configuration's
-    own `steps`) and goes on, one resumed from that checkpoint into fresh objects, and, for a
-    configuration with an exchange in flight between steps (delay 1), the same run with no
-    state_dict at all (`undisturbed`: state_dict() must only observe)."""
+    """A run that takes a checkpoint (state_dict) half way (RESUME_AT of STEPS, or of the
+    configuration's own `steps`) and goes on, one resumed from that checkpoint into fresh
+    objects, and, for a configuration with an exchange in flight between steps (delay 1), the
+    same run with no state_dict at all (`undisturbed`: state_dict() must only observe)."""
     build, steps = CONFIGS[name].build, CONFIGS[name].steps or STEPS
     resume_at = steps // 2
     model = problem.make_model().to(dtype)
     opt = build(list(model.parameters()))
     before = problem.eval_loss(model.float()) if dtype == torch.float32 else None
     log = train(opt, model, rank, 0, resume_at, end=steps)
-    opt.state_dict()
+    # the checkpoint comes from this run itself (a copy, through torch.save), not from a
+    # second run to resume_at: the same steps, bit for bit, at half a run's cost
+    saved = _checkpoint(model, opt)
+    dtypes = _state_dtypes(saved["opt"])
     log += train(opt, model, rank, resume_at, steps, end=steps)
     undisturbed = None
     if CONFIGS[name].delay:
         plain = problem.make_model().to(dtype)
         train(build(list(plain.parameters())), plain, rank, 0, steps, end=steps)
         undisturbed = flat(plain)
-    first = problem.make_model().to(dtype)
-    first_opt = build(list(first.parameters()))
-    train(first_opt, first, rank, 0, resume_at, end=steps)
-    dtypes = {k: v.dtype for s in first_opt.state_dict().get("state", {}).values() for k, v in s.items()
-              if torch.is_tensor(v)}
-    saved = _checkpoint(first, first_opt)
     fresh = problem.make_model(seed=77).to(dtype)             # a different init: the checkpoint restores it
     fresh.load_state_dict(saved["model"])
     fresh_opt = build(list(fresh.parameters()))
     fresh_opt.load_state_dict(saved["opt"])
-    loaded = {k: v.dtype for s in fresh_opt.state_dict().get("state", {}).values() for k, v in s.items()
-              if torch.is_tensor(v)}
+    loaded = _state_dtypes(fresh_opt.state_dict())
     train(fresh_opt, fresh, rank, resume_at, steps, end=steps)
     return {"params": flat(model), "resumed": flat(fresh), "undisturbed": undisturbed, "log": log,
             "loss_before": before, "loss_after": problem.eval_loss(model.float()) if before else None,
             "state_dtypes": (dtypes, loaded), "shapes": [tuple(p.shape) for p in model.parameters()],
             "by_tag": _by_tag(opt), "resumed_by_tag": _by_tag(fresh_opt)}
+
+
+def _state_dtypes(state_dict: dict) -> dict:
+    return {k: v.dtype for s in state_dict.get("state", {}).values() for k, v in s.items() if torch.is_tensor(v)}
 
 
 def _by_tag(opt) -> dict:
