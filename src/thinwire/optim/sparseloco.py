@@ -74,7 +74,9 @@ dense pseudo-gradient):
 so the local steps in flight start where the sync will roughly put the replica, and what
 Δ̂_r left out stays in e, as in a plain round. c (`eager_scale`, default 1: the estimate
 itself) only moves where the in-flight steps take their gradients: the landing puts every
-replica on θ₀' whatever c was, keeping the steps made since. A sync made on no rank (non-finite gradients)
+replica on θ₀' whatever c was, keeping the steps made since. On `wan` (2 ranks, H 6 and 8)
+c = 1.5 was better on one seed and worse on another, by single-seed noise, and 0.75 and 3 ended
+worse (docs/results/2026-11-25-sparseloco-h6.md). A sync made on no rank (non-finite gradients)
 undoes the jump (θ ← θ + (θ_before − θ_s), to float rounding). eager=False keeps the replica
 where it stood (DiLoCo's rule). Measured on `wan` (H 8, 600 steps): eager ends 0.2-0.6 %
 above the undelayed run's loss at τ 4-8, the plain rule 1.1-5.3 % above it
