@@ -114,6 +114,13 @@ def _check(topk, chunk, values, transform, error_decay, outer_lr, aggregate) -> 
     return SparseLoCoTopK(topk, chunk, transform, values)     # ValueError naming values / transform / topk
 
 
+def _check_eager_scale(value) -> float:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not 0.0 <= value < float("inf"):                  # NaN fails the comparison too
+        raise ValueError(f"eager_scale must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
 def _difference(anchor: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out = θ₀ − θ in float32 (out: float32, contiguous), exact for bf16 parameters."""
     if anchor.dtype == p.dtype == torch.float32:
@@ -170,9 +177,7 @@ class SparseLoCo(DiLoCo):
         self.compressor = _check(topk, chunk, values, transform, error_decay, outer_lr, aggregate)
         if not isinstance(eager, bool):
             raise ValueError(f"eager must be True or False, got {eager!r}")
-        if isinstance(eager_scale, bool) or not isinstance(eager_scale, (int, float)) or not 0.0 <= eager_scale < float("inf"):
-            raise ValueError(f"eager_scale must be a finite number >= 0, got {eager_scale!r}")
-        self.eager_scale = float(eager_scale)
+        self.eager_scale = _check_eager_scale(eager_scale)
         self.error_decay, self.aggregate, self.eager, self._eager_jumped = float(error_decay), aggregate, eager, False
         self._own_reads = None       # this rank's row as read() would return it, from its encode to its landing
         super().__init__(params, inner=inner, sync_every=sync_every, outer_lr=outer_lr, outer_momentum=0.0,
