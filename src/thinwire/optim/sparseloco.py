@@ -91,13 +91,13 @@ from __future__ import annotations
 
 import torch
 
-from ..compress import Payload, SparseLoCoTopK
-from ..compress.sparseloco_topk import Sent
+from ..compress import SparseLoCoTopK
+from ..compress.sparseloco_flat import FlatSparseLoCo, Piece
 from ..compress.topk import AGGREGATIONS
 from .base import Member
 from .diloco import DiLoCo
 from .exchange import GatherAll
-from .flat import Span, spans
+from .flat import Span
 from .periodic import _reuse, check_sync_every
 
 
@@ -128,21 +128,33 @@ def _difference(anchor: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> tor
     return out.copy_(anchor).sub_(p)
 
 
-def _subtract_sent(target: torch.Tensor, sent: Sent, scale: float | None = None) -> None:
-    """target ← target − (scale · Δ̂) in target's dtype, Δ̂ as `encode_sent` gives it: values at
-    flat positions (elsewhere target − 0 = target, so only those are touched) or dense."""
-    positions, values = sent.positions, sent.values
+def _subtract_sent(target: torch.Tensor, positions: torch.Tensor | None, values: torch.Tensor,
+                   scale: float | None = None) -> None:
+    """target ← target − (scale · Δ̂) in target's dtype, Δ̂ as `encode` gives it: values at
+    flat positions of target (elsewhere target − 0 = target, so only those are touched), or
+    dense (positions None: values flat, target's numel)."""
     if scale is not None:
         values = values * scale
     values = values.to(target.dtype)
     if positions is None:
-        target.sub_(values)
+        target.sub_(values.view(target.shape))
     elif target.is_contiguous():
         # a + (−v) is a − v exactly; positions are distinct, so no two additions meet
         target.view(-1).index_add_(0, positions, values.neg())
     else:
         target.sub_(torch.zeros(target.shape, dtype=values.dtype, device=values.device)
                     .view(-1).index_put_((positions,), values).view(target.shape))
+
+
+def _shares(pieces: list[Piece], elements: list[Span]) -> dict[int, tuple[torch.Tensor | None, torch.Tensor]]:
+    """Layout index -> (its flat positions in its own tensor or None, its decoded values)."""
+    out = {}
+    for piece in pieces:
+        for j, i in enumerate(piece.members):
+            cut = slice(piece.bounds[j], piece.bounds[j + 1])
+            positions = None if piece.positions is None else piece.positions[cut] - elements[i].start
+            out[i] = positions, piece.values[cut]
+    return out
 
 
 class SparseLoCo(DiLoCo):
@@ -179,7 +191,8 @@ class SparseLoCo(DiLoCo):
             raise ValueError(f"eager must be True or False, got {eager!r}")
         self.eager_scale = _check_eager_scale(eager_scale)
         self.error_decay, self.aggregate, self.eager, self._eager_jumped = float(error_decay), aggregate, eager, False
-        self._own_reads = None       # this rank's row as read() would return it, from its encode to its landing
+        self._own_pieces = None      # what receivers decode of this rank's row, from its encode to its landing
+        self._flat, self._flat_device, self._mean = None, None, None     # FlatSparseLoCo of the layout; Δ̄ (flat)
         super().__init__(params, inner=inner, sync_every=sync_every, outer_lr=outer_lr, outer_momentum=0.0,
                          wire="fp32", nonfinite=nonfinite, process_group=process_group, overlap=overlap,
                          delay=delay)
@@ -191,12 +204,6 @@ class SparseLoCo(DiLoCo):
                 f"values={c.codec.name} transform={c.transform.kind} beta={self.error_decay} alpha={self.outer_lr} "
                 f"aggregate={self.aggregate} delay={self.delay}")
         return "\n".join([head, *(f"{tuple(p.shape)} {p.dtype}" for _, p, _ in layout)])
-
-    def _places(self, layout: list[Member]) -> list[tuple[Member, Span, Span]]:
-        """Each parameter with its span of the flat float32 buffers and of the payload bytes."""
-        elements = spans(m.param.numel() for m in layout)
-        payloads = spans(self.compressor.payload_nbytes(m.param.shape) for m in layout)
-        return list(zip(layout, elements, payloads))
 
     def _exchange(self, step: int, layout: list[Member]):
         if step % self.sync_every or not layout:
@@ -211,35 +218,46 @@ class SparseLoCo(DiLoCo):
             if "error" not in self.state[key]:
                 self.state[key]["error"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
 
+    def _flat_for(self, layout: list[Member]) -> FlatSparseLoCo:
+        """The compressor over this layout's tensors end to end, rebuilt when the layout changes."""
+        shapes, device = [tuple(m.param.shape) for m in layout], layout[0].param.device
+        if self._flat is None or self._flat.shapes != shapes or self._flat_device != device:
+            self._flat, self._flat_device = FlatSparseLoCo(self.compressor, shapes, device), device
+        return self._flat
+
     def _encode(self, step: int, layout: list[Member], exchange) -> None:
         """The local step; at a sync, then every parameter's Δ̂ into the message and e' aside."""
         self._local_step(step, layout)
         if exchange is None:
             return
-        n, device = sum(m.param.numel() for m in layout), layout[0].param.device
+        flat = self._flat_for(layout)
+        n, device = flat.numel, layout[0].param.device
         self._unsent = _reuse(self._unsent, n, device)
-        if self._eager_now:
-            self._x = _reuse(self._x, n, device)
-        self._own_reads = []
-        for (_, p, key), elements, payload in self._places(layout):
-            state = self.state[key]
-            x = elements.of(self._unsent).view(p.shape)             # [*p.shape] float32: e, then e'
+        for (_, p, key), elements in zip(layout, flat.elements):
+            state, x = self.state[key], elements.of(self._unsent).view(p.shape)   # [*p.shape] float32: e, then e'
             # Δ = θ₀ − θ
             _difference(state["anchor"], p, out=x)
             # e = β e + Δ
             x.add_(state["error"], alpha=self.error_decay)
-            # Δ̂ = Q(TopK(e)): this rank's row of the message, and what receivers decode of it
-            sent = self.compressor.encode_sent(x, payload.of(exchange.payload), step)
-            self._own_reads.append(sent.read)
-            # e' = e − Δ̂, committed when the sync lands
-            _subtract_sent(x, sent)
-            if self._eager_now:
-                elements.of(self._x).view(p.shape).copy_(p)        # θ before the jump: a sync not made puts it back
-                # θ ← θ₀ − c α Δ̂_r: this rank's own message, its estimate of the θ₀ the sync brings
-                p.copy_(state["anchor"])
-                _subtract_sent(p, sent, self.eager_scale * self.outer_lr)
+        # Δ̂ = Q(TopK(e)): this rank's row of the message, and what receivers decode of it
+        self._own_pieces = flat.encode(self._unsent, exchange.payload, step)
+        for piece in self._own_pieces:
+            # e' = e − Δ̂, committed when the sync lands (a dense piece: its one tensor's span)
+            target = self._unsent if piece.positions is not None else flat.elements[piece.members[0]].of(self._unsent)
+            _subtract_sent(target, piece.positions, piece.values)
+        if self._eager_now:
+            self._jump(layout, flat)
         self._eager_jumped = self._eager_now
         self._launch(layout)                                        # θ_s, kept until the sync lands
+
+    def _jump(self, layout: list[Member], flat: FlatSparseLoCo) -> None:
+        """θ ← θ₀ − c α Δ̂_r: this rank's own message, its estimate of the θ₀ the sync brings."""
+        self._x = _reuse(self._x, flat.numel, layout[0].param.device)
+        shares = _shares(self._own_pieces, flat.elements)
+        for i, ((_, p, key), elements) in enumerate(zip(layout, flat.elements)):
+            elements.of(self._x).view(p.shape).copy_(p)            # θ before the jump: a sync not made puts it back
+            p.copy_(self.state[key]["anchor"])
+            _subtract_sent(p, *shares[i], self.eager_scale * self.outer_lr)
 
     @property
     def _eager_now(self) -> bool:
@@ -247,11 +265,11 @@ class SparseLoCo(DiLoCo):
 
     def _discard(self, step: int, layout: list[Member], exchange) -> None:
         """A sync made on no rank: an eager jump is undone, θ ← θ + (θ_before − θ_s)."""
-        self._own_reads = None
+        self._own_pieces = None
         if not self._eager_jumped:
             return
         self._eager_jumped = False
-        for (_, p, _), elements, _ in self._places(layout):
+        for (_, p, _), elements in zip(layout, self._flat_for(layout).elements):
             before = elements.of(self._x).view(p.shape)
             p.copy_(before.sub_(elements.of(self._launched).view(p.shape)).add_(p))
 
@@ -263,7 +281,7 @@ class SparseLoCo(DiLoCo):
 
     def _load_pending_state(self, record, saved: dict) -> None:
         self._load_pending_launch(record, saved)
-        self._own_reads = None                                      # the landing reads every row's bytes
+        self._own_pieces = None                                     # the landing reads every row's bytes
         device = record.layout[0].param.device
         self._eager_jumped = "before_jump" in saved or "eager_jump" in saved
         if "before_jump" in saved:
@@ -275,21 +293,16 @@ class SparseLoCo(DiLoCo):
 
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         rows, self._eager_jumped = delivery.data, False             # [R, payload bytes], rank order
-        own, self._own_reads = self._own_reads, None
-        for i, ((_, p, key), elements, payload) in enumerate(self._places(layout)):
-            state, spec = self.state[key], self.compressor.payload_spec(p.shape)
-            # every row's (indices, values); this rank's own as its encode read them off its bytes
-            reads = [own[i] if own is not None and own[i] is not None and r == self.comm.rank
-                     else self.compressor.read(Payload.from_buffer(payload.of(row), spec), p.shape)
-                     for r, row in enumerate(rows)]
-            padded = self.compressor.plan(p.shape).padded_numel
-            buf = self.compressor.scratch(2 * padded, p.device)
-            out, scratch = buf[:padded], buf[padded: 2 * padded]
-            # Δ̄ = (1/R) Σ_r Δ̂_r, decoded and summed in rank order  [*p.shape] float32
-            mean = self.compressor.aggregate(reads, p.shape, step, self.aggregate, out=out, scratch=scratch)
+        own, self._own_pieces = self._own_pieces, None
+        flat = self._flat_for(layout)
+        self._mean = _reuse(self._mean, flat.numel, layout[0].param.device)
+        # Δ̄ = (1/R) Σ_r Δ̂_r, every row decoded (this rank's as its encode left it), summed in rank order
+        mean = flat.mean(rows, step, self.aggregate, self._mean, None if own is None else (self.comm.rank, own))
+        for (_, p, key), elements in zip(layout, flat.elements):
+            state, part = self.state[key], elements.of(mean).view(p.shape)
             # e ← e'
             state["error"].copy_(elements.of(self._unsent).view(p.shape))
             # θ₀ ← θ₀ − α Δ̄   (× 1 is exact: skipped)
-            state["anchor"].sub_((mean if self.outer_lr == 1.0 else mean.mul_(self.outer_lr)).to(state["anchor"].dtype))
+            state["anchor"].sub_((part if self.outer_lr == 1.0 else part.mul_(self.outer_lr)).to(state["anchor"].dtype))
             # θ ← θ₀   (delay > 1: θ ← θ₀ + (θ − θ_s))
             self._rejoin(p, state["anchor"], elements)
