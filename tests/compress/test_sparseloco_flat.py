@@ -24,19 +24,26 @@ def _rows(shapes, world: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(n, generator=gen) * torch.rand(1, generator=gen) for _ in range(world)]
 
 
+def _tensors(flat: FlatSparseLoCo, x: torch.Tensor) -> list[torch.Tensor]:
+    return [part.view(shape) for part, shape in zip(x.split([torch.Size(s).numel() for s in flat.shapes]), flat.shapes)]
+
+
 def _per_tensor(comp: SparseLoCoTopK, flat: FlatSparseLoCo, x: torch.Tensor) -> torch.Tensor:
     """Every tensor's payload from SparseLoCoTopK alone, end to end."""
     parts = []
-    for shape, span in zip(flat.shapes, flat.elements):
-        out = torch.empty(comp.payload_nbytes(shape), dtype=torch.uint8)
-        comp.encode(span.of(x).view(shape).clone(), out)
+    for t in _tensors(flat, x):
+        out = torch.empty(comp.payload_nbytes(t.shape), dtype=torch.uint8)
+        comp.encode(t.clone(), out)
         parts.append(out)
     return torch.cat(parts)
 
 
 def _encode(flat: FlatSparseLoCo, x: torch.Tensor):
-    payload = torch.empty(flat.payloads[-1].stop, dtype=torch.uint8)
-    return payload, flat.encode(x, payload)
+    """The sync's order: every tensor encoded, then the groups' bytes written."""
+    payload = torch.empty(flat.nbytes, dtype=torch.uint8)
+    sent = {i: flat.encode(i, t, payload) for i, t in enumerate(_tensors(flat, x))}
+    flat.write(payload)
+    return payload, sent
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=["2bit", "dct", "int8"])
@@ -46,23 +53,18 @@ def test_bytes_and_decoded_values_are_the_per_tensor_ones(name, settings):
     comp = SparseLoCoTopK(topk=32, chunk=16, **settings)
     flat = FlatSparseLoCo(comp, shapes, "cpu")
     x = _rows(shapes, 1)[0]
-    payload, pieces = _encode(flat, x)
+    payload, sent = _encode(flat, x)
     assert torch.equal(payload, _per_tensor(comp, flat, x))
-    decoded = torch.zeros_like(x)                                  # Δ̂ from the pieces, flat
-    for piece in pieces:
-        if piece.positions is None:
-            flat.elements[piece.members[0]].of(decoded).copy_(piece.values)
-        else:
-            decoded.index_put_((piece.positions,), piece.values)
-    for shape, span, part in zip(flat.shapes, flat.elements, flat.payloads):
+    for i, (shape, part) in enumerate(zip(flat.shapes, flat.payloads)):
         expected = comp.decode(part.of(payload), shape)
-        assert torch.equal(span.of(decoded).view(shape), expected)
-    assert sorted(i for piece in pieces for i in piece.members) == list(range(len(shapes)))
+        positions, values = sent[i].positions, sent[i].values
+        decoded = values.view(shape) if positions is None else torch.zeros(shape).view(-1).index_put_((positions,), values)
+        assert torch.equal(decoded.view(shape), expected)
 
 
 def test_groups_are_by_chunk_geometry_and_padding_or_transform_keeps_a_tensor_alone():
     flat = FlatSparseLoCo(SparseLoCoTopK(topk=32, chunk=16), MIXED, "cpu")
-    assert sorted(g.members for g in flat.groups) == [(0,), (2, 4), (3,)]
+    assert sorted(g.members for g in flat.groups) == [[0], [2, 4], [3]]
     assert flat.alone == [1]                                        # (37, 24) pads its rows
     assert FlatSparseLoCo(SparseLoCoTopK(topk=32, chunk=16, transform="dct"), MIXED, "cpu").groups == []
 
@@ -74,13 +76,14 @@ def test_mean_of_three_rows_is_the_per_tensor_aggregate(settings, mode):
     flat = FlatSparseLoCo(comp, MIXED, "cpu")
     encoded = [_encode(flat, x) for x in _rows(MIXED, 3, seed=1)]
     rows = [payload for payload, _ in encoded]
-    out = torch.empty(flat.numel)
     expected = []
     for shape, part in zip(flat.shapes, flat.payloads):
         reads = [comp.read(Payload.from_buffer(part.of(row), comp.payload_spec(shape)), shape) for row in rows]
-        expected.append(comp.aggregate(reads, shape, mode=mode).reshape(-1).clone())
-    assert torch.equal(flat.mean(rows, 0, mode, out), torch.cat(expected))
-    assert torch.equal(flat.mean(rows, 0, mode, torch.empty(flat.numel), own=(1, encoded[1][1])), torch.cat(expected))
+        expected.append(comp.aggregate(reads, shape, mode=mode).clone())
+    for own in (None, (1, encoded[1][1])):
+        decoded = flat.decode(rows, own)
+        for i, shape in enumerate(flat.shapes):
+            assert torch.equal(flat.mean(i, decoded, rows, 0, mode, torch.empty(shape)), expected[i])
 
 
 def test_a_malformed_row_is_refused_with_the_per_tensor_errors():
@@ -90,9 +93,9 @@ def test_a_malformed_row_is_refused_with_the_per_tensor_errors():
     bad_index = payload.clone()
     bad_index[flat.payloads[4].start] = 0xFF                       # (40,): indices of 4 bits, chunks of 10
     with pytest.raises(ValueError, match="index 15 out of range for a chunk of 10"):
-        flat.mean([payload, bad_index], 0, "mean", torch.empty(flat.numel))
+        flat.decode([payload, bad_index])
     bad_level = payload.clone()
     levels = flat.payloads[0].start + comp.payload_spec(ALIGNED[0])[0][1]
     bad_level[levels: levels + 16] = torch.tensor([float("nan")] * 4).view(torch.uint8)
     with pytest.raises(ValueError, match="non-finite values"):
-        flat.mean([bad_level, payload], 0, "mean", torch.empty(flat.numel))
+        flat.decode([bad_level, payload])

@@ -1,125 +1,111 @@
-"""SparseLoCo's compressor over all the tensors of one flat float32 buffer at once
-(`FlatSparseLoCo`): every tensor's bytes are what `SparseLoCoTopK.encode` writes for it alone,
-and what a receiver decodes is the same, with far fewer tensor operations.
+"""SparseLoCo's compressor over the tensors of a layout (`FlatSparseLoCo`): the bytes of every
+tensor are what `SparseLoCoTopK.encode` writes for it alone, and a receiver decodes the same
+values, with fewer tensor operations per tensor.
 
-The tensors x_i lie end to end in a flat buffer x (`thinwire.optim.flat.spans`), and so do
-their payloads. Tensors that share a chunk geometry (h, w, k), are unpadded, and take
-'identity' top-k with '2bit' values form a group (a model's matrices usually form one, its
-vectors another). A group's G chunks, over all its tensors, go through one pass of each step:
+The work that reads or writes a whole tensor stays tensor by tensor, so it runs while that
+tensor is in cache: |x| in chunk-major order, the chunks' top-k, the kept values, their 2-bit
+codes and levels (one set per tensor, as the paper has it), and what the caller does with them
+(e' = e − Δ̂, the eager jump; at the landing the mean, θ₀ and the rejoin). What only touches the
+kept values and the bytes is done once for a group of tensors that share a chunk geometry
+(h, w, k), are unpadded, and take 'identity' top-k with '2bit' values (a model's matrices
+usually form one group, its vectors another):
 
-    |x| in chunk-major order       [G, h·w]   one strided copy per tensor into one buffer
-    top-k of every chunk           [G, k]     one `largest_indices`
-    flat positions in x            [G, k]     chunk-local index (u, v) -> u·cols + v + origin
-    the kept values                [G, k]     one `torch.take` from x
-    2-bit codes, levels            per tensor `quantize_row_groups`, one group per tensor
-    bit packing                    one `pack_bits` of the indices and one of the codes when
-                                   every tensor's share ends on a byte, else one per tensor
+    encode   every member's chunk-local indices and codes kept in [G, k] buffers (G: the
+             group's chunks), then one `pack_bits` of the indices and one of the codes when
+             every member's share ends on a byte (else one per member), copied into each
+             member's payload beside its 16 level bytes
+    read     one `unpack_bits` of each (or one per member), one check of the indices and of
+             the decoded values, the flat positions of every chunk's values at once
 
-then each tensor's index bytes, 16 level bytes and code bytes are copied into its payload.
-The kept values are ordered as the per-tensor path orders them (its chunks, then top-k's
-order in each), so the bytes are equal; the statistics are float64 sums in another order,
-rounded once to float32 (the same levels but for ties at that rounding). Any other tensor
-(padded, 'dct', other value formats) goes through `SparseLoCoTopK` on its own.
-
-What a sync's message decodes to is kept as `Piece`s: sparse values at flat positions in x
-(groups, and identity tensors on their own) or one tensor's dense decoded values ('dct').
+Any other tensor (padded, 'dct', other value formats) is encoded and averaged by
+`SparseLoCoTopK` on its own, as before.
 """
 
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 
 from ..ops.select import largest_indices
 from ..optim.flat import Span, spans
 from ..wire import index_width, pack_bits, packed_nbytes, unpack_bits
-from ..wire.twobit import LEVELS, quantize_row_groups
+from ..wire.twobit import LEVELS, quantize_rows
 from .payload import Payload
-from .sparseloco_topk import SparseLoCoTopK
+from .sparseloco_topk import Sent, SparseLoCoTopK
 
 LEVEL_BYTES = 4 * LEVELS                       # one tensor's float32 levels
-
-
-class Piece(NamedTuple):
-    """Part of one rank's decoded message. `members`: layout indices of its tensors; `bounds`:
-    member j's entries are values[bounds[j]: bounds[j + 1]]; `positions`: int64 flat
-    positions in x (None: `values` is the one member's dense tensor, flat)."""
-    members: tuple[int, ...]
-    bounds: tuple[int, ...]
-    positions: torch.Tensor | None
-    values: torch.Tensor
+Decoded = tuple[torch.Tensor, torch.Tensor]    # (flat positions in the tensor [n] int64, values [n] float32)
 
 
 class _Group:
-    """Tensors sharing (h, w, k), as one [G, h·w] matrix of chunks (the module docstring)."""
+    """Tensors sharing (h, w, k), their G chunks as the rows of [G, k] buffers."""
 
-    def __init__(self, members, plans, elements: list[Span], payloads: list[Span], compressor, device):
-        self.members, self.h, self.w = tuple(members), plans[0].chunk_rows, plans[0].chunk_cols
-        self.k, self.width = compressor.k(plans[0].shape), index_width(plans[0].chunk_elems)
-        self.plans, self.elements, self.payloads = plans, elements, payloads
+    def __init__(self, members: list[int], plans, payloads: list[Span], compressor: SparseLoCoTopK, device):
+        self.members, self.plans, self.payloads = members, plans, payloads
+        self.h, self.w, self.k = plans[0].chunk_rows, plans[0].chunk_cols, compressor.k(plans[0].shape)
+        self.width = index_width(plans[0].chunk_elems)
         self.chunks = [p.num_chunks for p in plans]
-        self.rows = sum(self.chunks)
-        self.bounds = tuple(self.k * r for r in accumulate(self.chunks, initial=0))
+        self.first = list(accumulate(self.chunks, initial=0))                   # member j's rows: first[j]..first[j+1]
+        self.rows = self.first[-1]
         counts = [c * self.k for c in self.chunks]
         self.aligned = all(c * self.width % 8 == 0 and c % 4 == 0 for c in counts)
         self.index_bytes = [packed_nbytes(c, self.width) for c in counts]
         self.code_bytes = [packed_nbytes(c, 2) for c in counts]
-        # per chunk: the flat position of its (0, 0) in x and its tensor's columns  [G, 1]
+        self.index_at, self.code_at = list(accumulate(self.index_bytes, initial=0)), list(accumulate(self.code_bytes, initial=0))
+        # per chunk: the flat position of its (0, 0) in its tensor, and that tensor's columns  [G, 1]
         origins, cols = [], []
-        for plan, span in zip(plans, elements):
+        for plan in plans:
             (gr, gc), h, w = plan.grid, plan.chunk_rows, plan.chunk_cols
-            o = torch.arange(gr)[:, None] * (h * plan.cols) + torch.arange(gc)[None, :] * w + span.start
-            origins.append(o.view(-1))
+            origins.append((torch.arange(gr)[:, None] * (h * plan.cols) + torch.arange(gc)[None, :] * w).view(-1))
             cols.append(torch.full((gr * gc,), plan.cols))
         self.origin = torch.cat(origins).view(-1, 1).to(device)
         self.cols = torch.cat(cols).view(-1, 1).to(device)
         self.tensor_of_row = torch.repeat_interleave(torch.arange(len(plans)), torch.tensor(self.chunks)).to(device)
+        self.idx = torch.empty(self.rows, self.k, dtype=torch.int64, device=device)    # this rank's, until written
+        self.codes = torch.empty(self.rows, self.k, dtype=torch.int64, device=device)
+        self.levels = torch.empty(len(members), LEVELS, device=device)
 
-    def positions(self, idx: torch.Tensor) -> torch.Tensor:
-        """Chunk-local indices [G, k] -> flat positions in x [G, k]: u·cols + v + origin."""
+    def positions(self, idx: torch.Tensor, rows: slice) -> torch.Tensor:
+        """Chunk-local indices [n, k] of the chunks `rows` -> flat positions in their tensors: u·cols + v + origin."""
         u = torch.div(idx, self.w, rounding_mode="floor")
-        return (idx - u * self.w).add_(u * self.cols).add_(self.origin)
+        return (idx - u * self.w).add_(u * self.cols[rows]).add_(self.origin[rows])
 
-    def encode(self, x: torch.Tensor, payload: torch.Tensor, magnitude: torch.Tensor) -> Piece:
-        """This group's bytes into `payload`, from x (flat float32); `magnitude`: [>= G·h·w] scratch."""
-        mag = magnitude[: self.rows * self.h * self.w].view(self.rows, self.h * self.w)
-        start = 0
-        for plan, span, chunks in zip(self.plans, self.elements, self.chunks):
-            (gr, gc), h, w = plan.grid, self.h, self.w
-            # [R, C] -> [gr, h, gc, w] -> [gr, gc, h, w]: |x| chunk-major, one strided pass
-            image = span.of(x).view(gr, h, gc, w).permute(0, 2, 1, 3)
-            torch.abs(image, out=mag[start: start + chunks].view(gr, gc, h, w))
-            start += chunks
-        idx = largest_indices(mag, self.k)                                        # [G, k]
-        positions = self.positions(idx)                                           # [G, k]
-        kept = torch.take(x, positions)                                           # [G, k]
-        q, levels = quantize_row_groups(kept, self.tensor_of_row, len(self.members))
-        self._write(idx, q, levels, payload)
-        # x̂ = t_q: what a receiver decodes, as the codec's decode computes it
-        sent = levels.view(-1).take(q + LEVELS * self.tensor_of_row.unsqueeze(1))
-        return Piece(self.members, self.bounds, positions.view(-1), sent.view(-1))
+    def encode(self, j: int, x: torch.Tensor, magnitude: torch.Tensor) -> Sent:
+        """Member j's top-k, codes and levels from x (float32, contiguous, its shape), kept for
+        `write`; what receivers decode of them. `magnitude`: flat float32 scratch >= x.numel()."""
+        (gr, gc), h, w = self.plans[j].grid, self.h, self.w
+        rows = slice(self.first[j], self.first[j + 1])
+        mag = magnitude[: x.numel()].view(gr, gc, h, w)
+        # [R, C] -> [gr, h, gc, w] -> [gr, gc, h, w]: |x| chunk-major, one strided pass
+        torch.abs(x.view(gr, h, gc, w).permute(0, 2, 1, 3), out=mag)
+        idx = largest_indices(mag.view(gr * gc, h * w), self.k)                 # [C, k]
+        positions = self.positions(idx, rows).view(-1)                          # [C·k]
+        q, levels = quantize_rows(torch.take(x, positions).view(1, -1))         # one row: the tensor's kept values
+        self.idx[rows], self.codes[rows], self.levels[j] = idx, q.view(-1, self.k), levels[0]
+        # x̂ = t_q, as the codec decodes it
+        return Sent(positions, levels.view(-1).take(q.view(-1)), None)
 
-    def _write(self, idx: torch.Tensor, q: torch.Tensor, levels: torch.Tensor, payload: torch.Tensor) -> None:
-        level_bytes = levels.contiguous().view(torch.uint8).view(-1, LEVEL_BYTES)
+    def write(self, payload: torch.Tensor) -> None:
+        """Every member's indices, levels and codes into its payload span."""
+        level_bytes = self.levels.view(torch.uint8).view(-1, LEVEL_BYTES)
         if self.aligned:
-            index_stream, code_stream = pack_bits(idx, self.width), pack_bits(q, 2)
-        cut_i = cut_c = 0
+            index_stream, code_stream = pack_bits(self.idx, self.width), pack_bits(self.codes, 2)
         for j, span in enumerate(self.payloads):
-            out, ni, nc = span.of(payload), self.index_bytes[j], self.code_bytes[j]
-            rows = slice(self.bounds[j] // self.k, self.bounds[j + 1] // self.k)
+            out, ni = span.of(payload), self.index_bytes[j]
+            a, b = self.first[j], self.first[j + 1]
             if self.aligned:
-                out[:ni].copy_(index_stream[cut_i: cut_i + ni])
-                out[ni + LEVEL_BYTES:].copy_(code_stream[cut_c: cut_c + nc])
+                out[:ni].copy_(index_stream[self.index_at[j]: self.index_at[j + 1]])
+                out[ni + LEVEL_BYTES:].copy_(code_stream[self.code_at[j]: self.code_at[j + 1]])
             else:
-                pack_bits(idx[rows], self.width, out=out[:ni])
-                pack_bits(q[rows], 2, out=out[ni + LEVEL_BYTES:])
+                pack_bits(self.idx[a:b], self.width, out=out[:ni])
+                pack_bits(self.codes[a:b], 2, out=out[ni + LEVEL_BYTES:])
             out[ni: ni + LEVEL_BYTES].copy_(level_bytes[j])
-            cut_i, cut_c = cut_i + ni, cut_c + nc
 
-    def read(self, payload: torch.Tensor) -> Piece:
-        """One rank's bytes of this group -> its Piece, validated as `SparseLoCoTopK.read` does."""
+    def read(self, payload: torch.Tensor) -> list[Decoded]:
+        """One rank's bytes of this group -> each member's (positions, values), validated as
+        `SparseLoCoTopK.read` validates them."""
         parts = [span.of(payload) for span in self.payloads]
         index_parts = [b[:n] for b, n in zip(parts, self.index_bytes)]
         code_parts = [b[n + LEVEL_BYTES:] for b, n in zip(parts, self.index_bytes)]
@@ -133,71 +119,82 @@ class _Group:
         if int(idx.max()) >= elems:
             raise ValueError(f"malformed payload: index {int(idx.max())} out of range for a chunk of {elems}")
         levels = torch.cat([b[n: n + LEVEL_BYTES] for b, n in zip(parts, self.index_bytes)]).view(torch.float32)
-        sent = levels.take(q.view(self.rows, self.k) + LEVELS * self.tensor_of_row.unsqueeze(1)).view(-1)
-        if not bool(torch.isfinite(sent).all()):
+        values = levels.take(q.view(self.rows, self.k) + LEVELS * self.tensor_of_row.unsqueeze(1))   # [G, k]
+        if not bool(torch.isfinite(values).all()):
             raise ValueError("malformed payload: non-finite values")
-        return Piece(self.members, self.bounds, self.positions(idx.view(self.rows, self.k)).view(-1), sent)
+        positions = self.positions(idx.view(self.rows, self.k), slice(None))
+        return [(positions[a:b].view(-1), values[a:b].view(-1)) for a, b in zip(self.first, self.first[1:])]
 
 
 class FlatSparseLoCo:
-    """`SparseLoCoTopK` over the tensors of these shapes, laid end to end in a flat float32
-    buffer and their payloads end to end in a uint8 one (the module docstring)."""
+    """`SparseLoCoTopK` over the tensors of these shapes, their payloads end to end in one
+    uint8 buffer (the module docstring). A sync: `encode(i, ...)` for every tensor, then
+    `write`; a landing: `decode` once, then `mean(i, ...)` for every tensor."""
 
     def __init__(self, compressor: SparseLoCoTopK, shapes: Sequence[tuple[int, ...]], device):
         self.compressor, self.shapes = compressor, [tuple(s) for s in shapes]
-        self.elements = spans(torch.Size(s).numel() for s in self.shapes)
         self.payloads = spans(compressor.payload_nbytes(s) for s in self.shapes)
-        self.groups, self.alone, geometry = [], [], {}
+        self.place: dict[int, tuple[_Group, int]] = {}                         # tensor -> (its group, member j)
+        geometry: dict[tuple[int, int, int], list[int]] = {}
         for i, shape in enumerate(self.shapes):
             plan = compressor.plan(shape)
             if compressor.transform.kind == "identity" and compressor.codec.name == "2bit" and not plan.padded:
                 geometry.setdefault((plan.chunk_rows, plan.chunk_cols, compressor.k(shape)), []).append(i)
-            else:
-                self.alone.append(i)
+        self.groups = []
         for members in geometry.values():
-            self.groups.append(_Group(members, [compressor.plan(self.shapes[i]) for i in members],
-                                      [self.elements[i] for i in members], [self.payloads[i] for i in members],
-                                      compressor, device))
-        self._magnitude: torch.Tensor | None = None
-        self._count_buf: torch.Tensor | None = None
+            group = _Group(members, [compressor.plan(self.shapes[i]) for i in members],
+                           [self.payloads[i] for i in members], compressor, device)
+            self.groups.append(group)
+            self.place.update({i: (group, j) for j, i in enumerate(members)})
+        self.alone = [i for i in range(len(self.shapes)) if i not in self.place]
+        self._scratch: torch.Tensor | None = None
 
     @property
-    def numel(self) -> int:
-        return self.elements[-1].stop if self.elements else 0
+    def nbytes(self) -> int:
+        return self.payloads[-1].stop if self.payloads else 0
 
-    def encode(self, x: torch.Tensor, payload: torch.Tensor, step: int = 0) -> list[Piece]:
-        """Every tensor's bytes into its span of `payload`, from its span of x; what receivers decode."""
-        pieces = []
-        if self.groups:
-            need = max(g.rows * g.h * g.w for g in self.groups)
-            if self._magnitude is None or self._magnitude.numel() < need or self._magnitude.device != x.device:
-                self._magnitude = torch.empty(need, dtype=torch.float32, device=x.device)
-            pieces += [g.encode(x, payload, self._magnitude) for g in self.groups]
-        for i in self.alone:
-            span, shape = self.elements[i], self.shapes[i]
-            sent = self.compressor.encode_sent(span.of(x).view(shape), self.payloads[i].of(payload), step)
-            positions = None if sent.positions is None else sent.positions + span.start
-            pieces.append(Piece((i,), (0, sent.values.numel()), positions, sent.values.reshape(-1)))
-        return pieces
+    def encode(self, i: int, x: torch.Tensor, payload: torch.Tensor, step: int = 0) -> Sent:
+        """Tensor i (x: float32, contiguous): its top-k and values, kept for `write` (a tensor on
+        its own: its bytes written now); what receivers decode of them, as `encode_sent`."""
+        if i not in self.place:
+            return self.compressor.encode_sent(x, self.payloads[i].of(payload), step)
+        group, j = self.place[i]
+        return group.encode(j, x, self._buffer(x.numel(), x.device))
 
-    def mean(self, rows: Sequence[torch.Tensor], step: int, mode: str, out: torch.Tensor,
-             own: tuple[int, list[Piece]] | None = None) -> torch.Tensor:
-        """Δ̄ into `out` (flat float32, `numel`): the ranks' decoded tensors averaged as
-        `ChunkedTopK.aggregate` averages them, from each rank's payload in `rows` (rank order),
-        summed in rank order. own = (rank, its `encode` pieces): that row is not read again."""
-        out.zero_()
-        counts = self._counts(out) if mode == "senders" else None
-        for gi, group in enumerate(self.groups):
-            for r, row in enumerate(rows):
-                piece = own[1][gi] if own is not None and r == own[0] else group.read(row)
-                out.index_add_(0, piece.positions, piece.values)
-                if counts is not None:
-                    counts.index_add_(0, piece.positions, torch.ones_like(piece.values))
-        if self.groups:
-            out.div_(len(rows) if counts is None else counts.clamp_(min=1))
-        for i in self.alone:                                       # on their own: as the per-tensor path does
-            self.elements[i].of(out).view(self.shapes[i]).copy_(self._alone_mean(i, rows, step, mode))
-        return out
+    def write(self, payload: torch.Tensor) -> None:
+        """The grouped tensors' bytes, after every one of them was encoded."""
+        for group in self.groups:
+            group.write(payload)
+
+    def decode(self, rows: Sequence[torch.Tensor], own: tuple[int, dict[int, Sent]] | None = None):
+        """Every rank's payload (rank order) -> per rank, tensor -> (positions, values) for the
+        grouped tensors, validated. own = (rank, its `encode` results): that row is not read."""
+        decoded = []
+        for r, row in enumerate(rows):
+            if own is not None and r == own[0]:
+                decoded.append({i: own[1][i][:2] for i in self.place})
+                continue
+            mine = {}
+            for group in self.groups:
+                mine.update(zip(group.members, group.read(row)))
+            decoded.append(mine)
+        return decoded
+
+    def mean(self, i: int, decoded, rows: Sequence[torch.Tensor], step: int, mode: str,
+             out: torch.Tensor) -> torch.Tensor:
+        """Δ̄ of tensor i into `out` (float32, contiguous, its shape), as `ChunkedTopK.aggregate`
+        averages it: the ranks' decoded values summed in rank order, then divided."""
+        if i not in self.place:
+            return out.copy_(self._alone_mean(i, rows, step, mode))
+        flat = out.view(-1).zero_()
+        for mine in decoded:
+            flat.index_add_(0, *mine[i])
+        if mode == "mean":
+            return out.div_(len(decoded))
+        counts = self._buffer(flat.numel(), flat.device)[: flat.numel()].zero_()
+        for mine in decoded:
+            counts.index_add_(0, mine[i][0], torch.ones_like(mine[i][1]))
+        return out.div_(counts.clamp_(min=1).view(out.shape))
 
     def _alone_mean(self, i: int, rows: Sequence[torch.Tensor], step: int, mode: str) -> torch.Tensor:
         comp, shape = self.compressor, self.shapes[i]
@@ -207,7 +204,7 @@ class FlatSparseLoCo:
         buf = comp.scratch(2 * padded, reads[0][1].device)
         return comp.aggregate(reads, shape, step, mode, out=buf[:padded], scratch=buf[padded:])
 
-    def _counts(self, like: torch.Tensor) -> torch.Tensor:
-        if self._count_buf is None or self._count_buf.numel() != like.numel():
-            self._count_buf = torch.empty_like(like)
-        return self._count_buf.zero_()
+    def _buffer(self, numel: int, device) -> torch.Tensor:
+        if self._scratch is None or self._scratch.numel() < numel or self._scratch.device != torch.device(device):
+            self._scratch = torch.empty(numel, dtype=torch.float32, device=device)
+        return self._scratch

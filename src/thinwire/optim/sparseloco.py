@@ -92,12 +92,12 @@ from __future__ import annotations
 import torch
 
 from ..compress import SparseLoCoTopK
-from ..compress.sparseloco_flat import FlatSparseLoCo, Piece
+from ..compress.sparseloco_flat import FlatSparseLoCo
 from ..compress.topk import AGGREGATIONS
 from .base import Member
 from .diloco import DiLoCo
 from .exchange import GatherAll
-from .flat import Span
+from .flat import spans
 from .periodic import _reuse, check_sync_every
 
 
@@ -146,17 +146,6 @@ def _subtract_sent(target: torch.Tensor, positions: torch.Tensor | None, values:
                     .view(-1).index_put_((positions,), values).view(target.shape))
 
 
-def _shares(pieces: list[Piece], elements: list[Span]) -> dict[int, tuple[torch.Tensor | None, torch.Tensor]]:
-    """Layout index -> (its flat positions in its own tensor or None, its decoded values)."""
-    out = {}
-    for piece in pieces:
-        for j, i in enumerate(piece.members):
-            cut = slice(piece.bounds[j], piece.bounds[j + 1])
-            positions = None if piece.positions is None else piece.positions[cut] - elements[i].start
-            out[i] = positions, piece.values[cut]
-    return out
-
-
 class SparseLoCo(DiLoCo):
     """SparseLoCo over any inner optimizer; the module docstring has the equations and the wire.
 
@@ -191,8 +180,8 @@ class SparseLoCo(DiLoCo):
             raise ValueError(f"eager must be True or False, got {eager!r}")
         self.eager_scale = _check_eager_scale(eager_scale)
         self.error_decay, self.aggregate, self.eager, self._eager_jumped = float(error_decay), aggregate, eager, False
-        self._own_pieces = None      # what receivers decode of this rank's row, from its encode to its landing
-        self._flat, self._flat_device, self._mean = None, None, None     # FlatSparseLoCo of the layout; Δ̄ (flat)
+        self._own_sent = None        # what receivers decode of this rank's row (per parameter), encode to landing
+        self._flat, self._flat_device, self._mean = None, None, None     # FlatSparseLoCo of the layout; Δ̄'s scratch
         super().__init__(params, inner=inner, sync_every=sync_every, outer_lr=outer_lr, outer_momentum=0.0,
                          wire="fp32", nonfinite=nonfinite, process_group=process_group, overlap=overlap,
                          delay=delay)
@@ -226,38 +215,38 @@ class SparseLoCo(DiLoCo):
         return self._flat
 
     def _encode(self, step: int, layout: list[Member], exchange) -> None:
-        """The local step; at a sync, then every parameter's Δ̂ into the message and e' aside."""
+        """The local step; at a sync, then every parameter's Δ̂ into the message and e' aside,
+        one parameter at a time (each pass over it while it is in cache)."""
         self._local_step(step, layout)
         if exchange is None:
             return
-        flat = self._flat_for(layout)
-        n, device = flat.numel, layout[0].param.device
+        flat, places = self._flat_for(layout), spans(m.param.numel() for m in layout)
+        n, device = places[-1].stop, layout[0].param.device
         self._unsent = _reuse(self._unsent, n, device)
-        for (_, p, key), elements in zip(layout, flat.elements):
+        if self._eager_now:
+            self._x = _reuse(self._x, n, device)
+        if self.delay > 1:
+            self._launched = _reuse(self._launched, n, device)
+        self._own_sent = {}
+        for i, ((_, p, key), elements) in enumerate(zip(layout, places)):
             state, x = self.state[key], elements.of(self._unsent).view(p.shape)   # [*p.shape] float32: e, then e'
             # Δ = θ₀ − θ
             _difference(state["anchor"], p, out=x)
             # e = β e + Δ
             x.add_(state["error"], alpha=self.error_decay)
-        # Δ̂ = Q(TopK(e)): this rank's row of the message, and what receivers decode of it
-        self._own_pieces = flat.encode(self._unsent, exchange.payload, step)
-        for piece in self._own_pieces:
-            # e' = e − Δ̂, committed when the sync lands (a dense piece: its one tensor's span)
-            target = self._unsent if piece.positions is not None else flat.elements[piece.members[0]].of(self._unsent)
-            _subtract_sent(target, piece.positions, piece.values)
-        if self._eager_now:
-            self._jump(layout, flat)
+            # Δ̂ = Q(TopK(e)): this rank's row of the message, and what receivers decode of it
+            sent = self._own_sent[i] = flat.encode(i, x, exchange.payload, step)
+            # e' = e − Δ̂, committed when the sync lands
+            _subtract_sent(x, sent.positions, sent.values)
+            if self._eager_now:
+                elements.of(self._x).view(p.shape).copy_(p)        # θ before the jump: a sync not made puts it back
+                # θ ← θ₀ − c α Δ̂_r: this rank's own message, its estimate of the θ₀ the sync brings
+                p.copy_(state["anchor"])
+                _subtract_sent(p, sent.positions, sent.values, self.eager_scale * self.outer_lr)
+            if self.delay > 1:
+                elements.of(self._launched).view(p.shape).copy_(p)   # θ_s, kept until the sync lands
+        flat.write(exchange.payload)
         self._eager_jumped = self._eager_now
-        self._launch(layout)                                        # θ_s, kept until the sync lands
-
-    def _jump(self, layout: list[Member], flat: FlatSparseLoCo) -> None:
-        """θ ← θ₀ − c α Δ̂_r: this rank's own message, its estimate of the θ₀ the sync brings."""
-        self._x = _reuse(self._x, flat.numel, layout[0].param.device)
-        shares = _shares(self._own_pieces, flat.elements)
-        for i, ((_, p, key), elements) in enumerate(zip(layout, flat.elements)):
-            elements.of(self._x).view(p.shape).copy_(p)            # θ before the jump: a sync not made puts it back
-            p.copy_(self.state[key]["anchor"])
-            _subtract_sent(p, *shares[i], self.eager_scale * self.outer_lr)
 
     @property
     def _eager_now(self) -> bool:
@@ -265,11 +254,11 @@ class SparseLoCo(DiLoCo):
 
     def _discard(self, step: int, layout: list[Member], exchange) -> None:
         """A sync made on no rank: an eager jump is undone, θ ← θ + (θ_before − θ_s)."""
-        self._own_pieces = None
+        self._own_sent = None
         if not self._eager_jumped:
             return
         self._eager_jumped = False
-        for (_, p, _), elements in zip(layout, self._flat_for(layout).elements):
+        for (_, p, _), elements in zip(layout, spans(m.param.numel() for m in layout)):
             before = elements.of(self._x).view(p.shape)
             p.copy_(before.sub_(elements.of(self._launched).view(p.shape)).add_(p))
 
@@ -281,7 +270,7 @@ class SparseLoCo(DiLoCo):
 
     def _load_pending_state(self, record, saved: dict) -> None:
         self._load_pending_launch(record, saved)
-        self._own_pieces = None                                     # the landing reads every row's bytes
+        self._own_sent = None                                       # the landing reads every row's bytes
         device = record.layout[0].param.device
         self._eager_jumped = "before_jump" in saved or "eager_jump" in saved
         if "before_jump" in saved:
@@ -293,16 +282,23 @@ class SparseLoCo(DiLoCo):
 
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         rows, self._eager_jumped = delivery.data, False             # [R, payload bytes], rank order
-        own, self._own_pieces = self._own_pieces, None
-        flat = self._flat_for(layout)
-        self._mean = _reuse(self._mean, flat.numel, layout[0].param.device)
-        # Δ̄ = (1/R) Σ_r Δ̂_r, every row decoded (this rank's as its encode left it), summed in rank order
-        mean = flat.mean(rows, step, self.aggregate, self._mean, None if own is None else (self.comm.rank, own))
-        for (_, p, key), elements in zip(layout, flat.elements):
-            state, part = self.state[key], elements.of(mean).view(p.shape)
+        own, self._own_sent = self._own_sent, None
+        flat, places = self._flat_for(layout), spans(m.param.numel() for m in layout)
+        # every row's kept values, this rank's as its encode left them
+        decoded = flat.decode(rows, None if own is None else (self.comm.rank, own))
+        for i, ((_, p, key), elements) in enumerate(zip(layout, places)):
+            state = self.state[key]
+            # Δ̄ = (1/R) Σ_r Δ̂_r, summed in rank order  [*p.shape] float32
+            mean = flat.mean(i, decoded, rows, step, self.aggregate, self._mean_of(p))
             # e ← e'
             state["error"].copy_(elements.of(self._unsent).view(p.shape))
             # θ₀ ← θ₀ − α Δ̄   (× 1 is exact: skipped)
-            state["anchor"].sub_((part if self.outer_lr == 1.0 else part.mul_(self.outer_lr)).to(state["anchor"].dtype))
+            state["anchor"].sub_((mean if self.outer_lr == 1.0 else mean.mul_(self.outer_lr)).to(state["anchor"].dtype))
             # θ ← θ₀   (delay > 1: θ ← θ₀ + (θ − θ_s))
             self._rejoin(p, state["anchor"], elements)
+
+    def _mean_of(self, p: torch.Tensor) -> torch.Tensor:
+        """A float32 scratch of p's shape for its Δ̄, reused across parameters and syncs."""
+        if self._mean is None or self._mean.numel() < p.numel() or self._mean.device != p.device:
+            self._mean = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
+        return self._mean[: p.numel()].view(p.shape)
