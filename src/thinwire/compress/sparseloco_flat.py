@@ -148,7 +148,6 @@ class FlatSparseLoCo:
             self.place.update({i: (group, j) for j, i in enumerate(members)})
         self.alone = [i for i in range(len(self.shapes)) if i not in self.place]
         self._scratch: torch.Tensor | None = None
-        self._zero: torch.Tensor | None = None        # `sparse_mean`'s, zero between calls
 
     @property
     def nbytes(self) -> int:
@@ -196,37 +195,6 @@ class FlatSparseLoCo:
         for mine in decoded:
             counts.index_add_(0, mine[i][0], torch.ones_like(mine[i][1]))
         return out.div_(counts.clamp_(min=1).view(out.shape))
-
-    def grouped(self, i: int) -> bool:
-        """Whether tensor i is in a group (its Δ̄ has a sparse form, `sparse_mean`)."""
-        return i in self.place
-
-    def sparse_mean(self, i: int, decoded, mode: str) -> Decoded:
-        """Δ̄ of grouped tensor i where it is not zero: (the positions every rank sent, rank after
-        rank, so with repeats; Δ̄ there), the values `mean` gives. Summed in rank order in a
-        scratch of zeros that it leaves zero again, so no pass over the whole tensor is made."""
-        numel = torch.Size(self.shapes[i]).numel()
-        positions = torch.cat([mine[i][0] for mine in decoded])
-        total = self._zeros(numel, positions.device)
-        try:
-            for mine in decoded:
-                total.index_add_(0, *mine[i])
-            values = total.take(positions)
-        finally:
-            total.index_fill_(0, positions, 0.0)
-        if mode == "mean":
-            return positions, values.div_(len(decoded))
-        try:
-            for mine in decoded:
-                total.index_add_(0, mine[i][0], torch.ones_like(mine[i][1]))
-            return positions, values.div_(total.take(positions).clamp_(min=1))
-        finally:
-            total.index_fill_(0, positions, 0.0)
-
-    def _zeros(self, numel: int, device) -> torch.Tensor:
-        if self._zero is None or self._zero.numel() < numel or self._zero.device != torch.device(device):
-            self._zero = torch.zeros(numel, dtype=torch.float32, device=device)
-        return self._zero[:numel]
 
     def _alone_mean(self, i: int, rows: Sequence[torch.Tensor], step: int, mode: str) -> torch.Tensor:
         comp, shape = self.compressor, self.shapes[i]

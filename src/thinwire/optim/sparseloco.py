@@ -146,14 +146,6 @@ def _subtract_sent(target: torch.Tensor, positions: torch.Tensor | None, values:
                     .view(-1).index_put_((positions,), values).view(target.shape))
 
 
-def _subtract_at(anchor: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, scale: float) -> None:
-    """anchor ← anchor − scale · values at flat positions (anchor contiguous), in anchor's dtype;
-    a position may repeat with the same value, so each write is the same (× 1 is exact: skipped)."""
-    flat = anchor.view(-1)
-    values = (values if scale == 1.0 else values.mul_(scale)).to(anchor.dtype)
-    flat.index_put_((positions,), flat.take(positions).sub_(values))
-
-
 class SparseLoCo(DiLoCo):
     """SparseLoCo over any inner optimizer; the module docstring has the equations and the wire.
 
@@ -296,14 +288,12 @@ class SparseLoCo(DiLoCo):
         decoded = flat.decode(rows, None if own is None else (self.comm.rank, own))
         for i, ((_, p, key), elements) in enumerate(zip(layout, places)):
             state = self.state[key]
+            # Δ̄ = (1/R) Σ_r Δ̂_r, summed in rank order  [*p.shape] float32
+            mean = flat.mean(i, decoded, rows, step, self.aggregate, self._mean_of(p))
             # e ← e'
             state["error"].copy_(elements.of(self._unsent).view(p.shape))
-            # Δ̄ = (1/R) Σ_r Δ̂_r, summed in rank order; θ₀ ← θ₀ − α Δ̄ (× 1 is exact: skipped)
-            if flat.grouped(i):                                     # only where some rank sent a value
-                _subtract_at(state["anchor"], *flat.sparse_mean(i, decoded, self.aggregate), self.outer_lr)
-            else:
-                mean = flat.mean(i, decoded, rows, step, self.aggregate, self._mean_of(p))   # [*p.shape] float32
-                state["anchor"].sub_((mean if self.outer_lr == 1.0 else mean.mul_(self.outer_lr)).to(state["anchor"].dtype))
+            # θ₀ ← θ₀ − α Δ̄   (× 1 is exact: skipped)
+            state["anchor"].sub_((mean if self.outer_lr == 1.0 else mean.mul_(self.outer_lr)).to(state["anchor"].dtype))
             # θ ← θ₀   (delay > 1: θ ← θ₀ + (θ − θ_s))
             self._rejoin(p, state["anchor"], elements)
 
