@@ -11,7 +11,8 @@ what it adds to a local step: the sync step (the local step, then the encode: Δ
 the mean, θ₀, e and the rejoin). The last lines amortise them over the round, beside torch
 AdamW's step on the same parameters (the dense baseline's optimizer step, whose gradient
 all-reduce is not in it). A second table times the compressor's parts on the model's shapes in
-one process: the chunk top-k (`select_at`), the packing (`write`) and the whole `encode_sent`.
+one process, alternating: the encode and the landing's mean tensor by tensor (`SparseLoCoTopK`)
+against `FlatSparseLoCo`, the path the optimizer takes.
 """
 
 from __future__ import annotations
@@ -106,27 +107,48 @@ def round_table(sparse: list[float], dense: list[float], every: int, delay: int)
 
 
 def parts_table(args) -> None:
-    from thinwire.compress import SparseLoCoTopK
+    """The sync's compressor work over the model's tensors, one thread, alternating: tensor by
+    tensor through SparseLoCoTopK (encode_sent; read and aggregate of 2 rows), against
+    FlatSparseLoCo (encode of each, one write; one decode, then each tensor's mean), the path
+    SparseLoCo takes."""
+    from thinwire.compress import Payload, SparseLoCoTopK
+    from thinwire.compress.sparseloco_flat import FlatSparseLoCo
     torch.set_num_threads(1)
     comp = SparseLoCoTopK(args.topk, args.chunk)
     xs = [torch.randn(p.shape) * 1e-3 for p in build_model(get_preset(args.preset)).parameters()]
-    outs = [torch.empty(comp.payload_nbytes(x.shape), dtype=torch.uint8) for x in xs]
-    images = [comp.plan(x.shape).padded_matrix(x) for x in xs]          # x itself where unpadded
-    reads = [comp.select(image, x.shape) for image, x in zip(images, xs)]
+    flat = FlatSparseLoCo(comp, [x.shape for x in xs], "cpu")
+    payload = torch.empty(flat.nbytes, dtype=torch.uint8)
+    own = {i: flat.encode(i, x, payload) for i, x in enumerate(xs)}
+    flat.write(payload)
+    rows, means = [payload.clone(), payload.clone()], [torch.empty_like(x) for x in xs]
+
+    def per_tensor_landing():
+        for x, span in zip(xs, flat.payloads):
+            spec = comp.payload_spec(x.shape)
+            comp.aggregate([comp.read(Payload.from_buffer(span.of(row), spec), x.shape) for row in rows], x.shape)
+
+    def flat_landing():
+        decoded = flat.decode(rows, (0, own))
+        for i, out in enumerate(means):
+            flat.mean(i, decoded, rows, 0, "mean", out)
+
     parts = {
-        "select_at (magnitudes, two-level top-k, gather)": lambda i: comp.select_at(images[i], xs[i].shape),
-        "write (packed indices, 2-bit values)": lambda i: comp.write(reads[i], xs[i].shape, outs[i]),
-        "encode_sent (all of it, with the decode of its own values)": lambda i: comp.encode_sent(xs[i], outs[i]),
+        "encode, tensor by tensor (`SparseLoCoTopK.encode_sent`)":
+            lambda: [comp.encode_sent(x, span.of(payload)) for x, span in zip(xs, flat.payloads)],
+        "encode, `FlatSparseLoCo` (each tensor, then the groups' bytes)":
+            lambda: ([flat.encode(i, x, payload) for i, x in enumerate(xs)], flat.write(payload)),
+        "landing's mean of 2 rows, tensor by tensor (read, aggregate)": per_tensor_landing,
+        "landing's mean of 2 rows, `FlatSparseLoCo` (decode, each mean)": flat_landing,
     }
-    print("\n| compressor part, all parameters, one thread | ms |\n|---|---|")
-    for name, fn in parts.items():
-        times = []
-        for _ in range(args.rounds):
+    times = {name: [] for name in parts}
+    for _ in range(args.rounds + 2):
+        for name, fn in parts.items():
             start = time.perf_counter()
-            for i in range(len(xs)):
-                fn(i)
-            times.append(time.perf_counter() - start)
-        print(f"| {name} | {1e3 * statistics.median(times):.1f} |")
+            fn()
+            times[name].append(time.perf_counter() - start)
+    print("\n| compressor work of a sync, all parameters, one thread (alternating, medians) | ms |\n|---|---|")
+    for name, t in times.items():
+        print(f"| {name} | {1e3 * statistics.median(t[2:]):.1f} |")
 
 
 def main() -> None:
