@@ -4,6 +4,7 @@
     protocol      the `Compressor` protocol
     topk          DeMo's `ChunkedTopK` (chunked transform + top-k per chunk, aggregation)
     sparseloco_topk  SparseLoCo's `SparseLoCoTopK` (a fixed density per chunk, 2-bit values per tensor)
+    sparseloco_flat  `FlatSparseLoCo`: SparseLoCoTopK over a layout's tensors, their bytes packed and read by group
     chunking      `ChunkPlan`: how a tensor is cut into chunks; transforms: per-chunk bases
     payload       `Payload`: one message split into named uint8 parts
     ef21          the EF21 compressor base class and `Identity`

@@ -30,6 +30,9 @@ k = max(1, round(E · topk / chunk²)) (≤ E) kept per chunk,
     int8  4 C + C k      bf16  2 C k      fp32  4 C k
 
 so bytes per sync = 8 + ceil(P / 8) + Σ_params (indices + values), and nothing on local steps.
+The sync computes them with `FlatSparseLoCo` (the same bytes as `SparseLoCoTopK` tensor by
+tensor): each parameter's Δ, e, top-k, values, e' and eager jump one after the other while it is
+in cache, the packing and, at the landing, the reading batched over parameters of one chunk shape.
 Chunks are `ChunkPlan`'s (a tensor viewed as a matrix, each dimension cut into chunks of at
 most `chunk`, zero-padded when it has no divisor in [chunk/2, chunk]).
 
