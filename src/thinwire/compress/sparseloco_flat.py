@@ -18,7 +18,7 @@ usually form one group, its vectors another):
              the decoded values, the flat positions of every chunk's values at once
 
 Any other tensor (padded, 'dct', other value formats) is encoded and averaged by
-`SparseLoCoTopK` on its own, as before.
+`SparseLoCoTopK` on its own.
 """
 
 from __future__ import annotations
