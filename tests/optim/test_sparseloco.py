@@ -86,12 +86,13 @@ def compress(x: torch.Tensor) -> torch.Tensor:
     return out[: plan.rows, : plan.cols].reshape(x.shape)
 
 
-def reference(world: int, delay: int = 0, eager: bool = False, scale: float = 1.0) -> dict:
+def reference(world: int, delay: int = 0, eager: bool = False, scale: float = 1.0, model=problem.make_model) -> dict:
     """R replicas: θ₀ after every step, each replica's parameters and e at the end. delay τ > 0
     (overlap): the sync of step s lands at the start of step s + τ (after its gradient, before
     its local step), or at the end, and each replica keeps what it did since: θ ← θ₀ + (θ − θ_s);
-    eager: at step s each replica first jumps to θ_s = θ₀ − c α Δ̂_r (its own message, c = scale)."""
-    models = [problem.make_model() for _ in range(world)]
+    eager: at step s each replica first jumps to θ_s = θ₀ − c α Δ̂_r (its own message, c = scale).
+    model: the replicas' model (problem.make_model's by default)."""
+    models = [model() for _ in range(world)]
     inners = [_adamw(list(m.parameters())) for m in models]
     anchor = [p.detach().clone() for p in models[0].parameters()]
     errors = [[torch.zeros_like(p) for p in anchor] for _ in range(world)]
@@ -148,9 +149,9 @@ def _errors(opt) -> torch.Tensor:
                      [torch.zeros(0)])
 
 
-def _run(rank: int, make, steps: int = STEPS, nan_at: int | None = None) -> dict:
+def _run(rank: int, make, steps: int = STEPS, nan_at: int | None = None, model=problem.make_model) -> dict:
     """`steps` steps on this rank's batches: parameters, payload bytes, θ₀ and e after each."""
-    model = problem.make_model()
+    model = model()
     opt = make(list(model.parameters()))
     params, sent, anchors, errors = [], [], [], []
     for step in range(steps):
@@ -214,6 +215,14 @@ def _resumed(rank: int, at: int, **kw) -> torch.Tensor:
     return problem.flat_params(fresh)
 
 
+def _wide_model() -> torch.nn.Module:
+    """24 -> 32 -> 32 -> 10: with chunk 16 nothing is padded, and the two (32,) biases share a
+    chunk shape (1 x 16, k 2), so the compressor packs and reads them as one group."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(problem.IN, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
+                               torch.nn.Tanh(), torch.nn.Linear(32, problem.OUT))
+
+
 def checks(rank: int, world: int) -> dict:
     plain = dict(topk=CHUNK * CHUNK, values="fp32", error_decay=0.0, outer_lr=1.0)
     return {
@@ -231,6 +240,8 @@ def checks(rank: int, world: int) -> dict:
         "reference2": reference(world, 2), f"reference{H}": reference(world, H, eager=True),
         "scaled": _run(rank, lambda ps: _sparseloco(ps, overlap=True, delay=H, eager_scale=EAGER_SCALE)),
         "reference_scaled": reference(world, H, eager=True, scale=EAGER_SCALE),
+        "wide": _run(rank, lambda ps: _sparseloco(ps, overlap=True, delay=H), model=_wide_model),
+        "reference_wide": reference(world, H, eager=True, model=_wide_model),
         **{f"nan_eager{e}": _run(rank, lambda ps, e=e: _sparseloco(ps, overlap=True, delay=H, eager=e,
                                                                      nonfinite="skip"), steps=H, nan_at=H - 1)
            for e in (True, False)},
@@ -312,11 +323,12 @@ def test_a_skipped_sync_moves_no_anchor_and_no_error(outcome):
 
 
 @pytest.mark.parametrize("name, reference_name", [("delay2", "reference2"), (f"delay{H}", f"reference{H}"),
-                                                   ("scaled", "reference_scaled")])
+                                                   ("scaled", "reference_scaled"), ("wide", "reference_wide")])
 def test_a_delayed_sync_matches_the_reference_bit_for_bit(outcome, name, reference_name):
     """delay τ: θ₀ after every step, each replica at the end and its e, against the reference's
     landing at step s + τ with the replica's own local steps kept (τ = 2 from where it stood,
-    τ = H eager: from its jump to θ₀ − c α Δ̂_r, c = 1 and EAGER_SCALE)."""
+    τ = H eager: from its jump to θ₀ − c α Δ̂_r, c = 1 and EAGER_SCALE; 'wide': the same on a model
+    whose tensors are unpadded and two of them packed as one group)."""
     _, ranks = outcome
     for rank, r in enumerate(ranks):
         run, ref = r[name], r[reference_name]
