@@ -133,7 +133,7 @@ class FlatSparseLoCo:
     `write`; a landing: `decode` once, then `mean(i, ...)` for every tensor."""
 
     def __init__(self, compressor: SparseLoCoTopK, shapes: Sequence[tuple[int, ...]], device):
-        self.compressor, self.shapes = compressor, [tuple(s) for s in shapes]
+        self.compressor, self.shapes, self.device = compressor, [tuple(s) for s in shapes], torch.device(device)
         self.payloads = spans(compressor.payload_nbytes(s) for s in self.shapes)
         self.place: dict[int, tuple[_Group, int]] = {}                         # tensor -> (its group, member j)
         geometry: dict[tuple[int, int, int], list[int]] = {}
@@ -173,7 +173,7 @@ class FlatSparseLoCo:
         decoded = []
         for r, row in enumerate(rows):
             if own is not None and r == own[0]:
-                decoded.append({i: own[1][i][:2] for i in self.place})
+                decoded.append({i: (own[1][i].positions, own[1][i].values) for i in self.place})
                 continue
             mine = {}
             for group in self.groups:

@@ -96,6 +96,7 @@ import torch
 
 from ..compress import SparseLoCoTopK
 from ..compress.sparseloco_flat import FlatSparseLoCo
+from ..compress.sparseloco_topk import Sent
 from ..compress.topk import AGGREGATIONS
 from .base import Member
 from .diloco import DiLoCo
@@ -131,16 +132,15 @@ def _difference(anchor: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> tor
     return out.copy_(anchor).sub_(p)
 
 
-def _subtract_sent(target: torch.Tensor, positions: torch.Tensor | None, values: torch.Tensor,
-                   scale: float | None = None) -> None:
-    """target ← target − (scale · Δ̂) in target's dtype, Δ̂ as `encode` gives it: values at
-    flat positions of target (elsewhere target − 0 = target, so only those are touched), or
-    dense (positions None: values flat, target's numel)."""
+def _subtract_sent(target: torch.Tensor, sent: Sent, scale: float | None = None) -> None:
+    """target ← target − (scale · Δ̂) in target's dtype, Δ̂ as `encode_sent` gives it: values at
+    flat positions (elsewhere target − 0 = target, so only those are touched) or dense."""
+    positions, values = sent.positions, sent.values
     if scale is not None:
         values = values * scale
     values = values.to(target.dtype)
     if positions is None:
-        target.sub_(values.view(target.shape))
+        target.sub_(values)
     elif target.is_contiguous():
         # a + (−v) is a − v exactly; positions are distinct, so no two additions meet
         target.view(-1).index_add_(0, positions, values.neg())
@@ -184,7 +184,7 @@ class SparseLoCo(DiLoCo):
         self.eager_scale = _check_eager_scale(eager_scale)
         self.error_decay, self.aggregate, self.eager, self._eager_jumped = float(error_decay), aggregate, eager, False
         self._own_sent = None        # what receivers decode of this rank's row (per parameter), encode to landing
-        self._flat, self._flat_device, self._mean = None, None, None     # FlatSparseLoCo of the layout; Δ̄'s scratch
+        self._flat, self._mean = None, None          # FlatSparseLoCo of the layout; Δ̄'s scratch
         super().__init__(params, inner=inner, sync_every=sync_every, outer_lr=outer_lr, outer_momentum=0.0,
                          wire="fp32", nonfinite=nonfinite, process_group=process_group, overlap=overlap,
                          delay=delay)
@@ -213,8 +213,8 @@ class SparseLoCo(DiLoCo):
     def _flat_for(self, layout: list[Member]) -> FlatSparseLoCo:
         """The compressor over this layout's tensors end to end, rebuilt when the layout changes."""
         shapes, device = [tuple(m.param.shape) for m in layout], layout[0].param.device
-        if self._flat is None or self._flat.shapes != shapes or self._flat_device != device:
-            self._flat, self._flat_device = FlatSparseLoCo(self.compressor, shapes, device), device
+        if self._flat is None or self._flat.shapes != shapes or self._flat.device != torch.device(device):
+            self._flat = FlatSparseLoCo(self.compressor, shapes, device)
         return self._flat
 
     def _encode(self, step: int, layout: list[Member], exchange) -> None:
@@ -240,14 +240,15 @@ class SparseLoCo(DiLoCo):
             # Δ̂ = Q(TopK(e)): this rank's row of the message, and what receivers decode of it
             sent = self._own_sent[i] = flat.encode(i, x, exchange.payload, step)
             # e' = e − Δ̂, committed when the sync lands
-            _subtract_sent(x, sent.positions, sent.values)
+            _subtract_sent(x, sent)
             if self._eager_now:
                 elements.of(self._x).view(p.shape).copy_(p)        # θ before the jump: a sync not made puts it back
                 # θ ← θ₀ − c α Δ̂_r: this rank's own message, its estimate of the θ₀ the sync brings
                 p.copy_(state["anchor"])
-                _subtract_sent(p, sent.positions, sent.values, self.eager_scale * self.outer_lr)
+                _subtract_sent(p, sent, self.eager_scale * self.outer_lr)
             if self.delay > 1:
-                elements.of(self._launched).view(p.shape).copy_(p)   # θ_s, kept until the sync lands
+                # θ_s, kept until the sync lands (here, not in `_launch`: while p is in cache)
+                elements.of(self._launched).view(p.shape).copy_(p)
         flat.write(exchange.payload)
         self._eager_jumped = self._eager_now
 
