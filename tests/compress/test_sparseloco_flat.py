@@ -1,13 +1,15 @@
 """FlatSparseLoCo (thinwire.compress.sparseloco_flat) against SparseLoCoTopK tensor by tensor:
 the same bytes, the same decoded values, the same mean of several ranks' rows, the same
 errors on malformed rows; over groups of tensors whose shares end on a byte and groups whose
-do not, tensors on their own (padded, 'dct', 'int8') and a mix of them."""
+do not, tensors on their own (padded, 'dct', 'int8') and a mix of them; with the indices
+packed or Elias-Fano coded."""
 
 import pytest
 import torch
 
 from thinwire.compress import Payload, SparseLoCoTopK
 from thinwire.compress.sparseloco_flat import FlatSparseLoCo
+from thinwire.wire import packed_nbytes
 
 # chunk 16, topk 32: matrices of 16 x 16 chunks (k 32, 8-bit indices), vectors of 1 x 16
 # chunks (k 2, 4-bit indices), (40,) of 1 x 10 chunks (k 1), (37, 24) padded to 48 rows.
@@ -15,7 +17,9 @@ ALIGNED = [(64, 32), (96,), (32, 96), (64,), (40,)]
 UNALIGNED = [(64, 32), (48,), (96,), (32, 96)]      # (48,): 6 kept values, 6 codes: not whole bytes
 MIXED = [(64, 32), (37, 24), (96,), (40,), (48,)]
 SHAPE_SETS = {"aligned": ALIGNED, "unaligned": UNALIGNED, "mixed": MIXED}
-SETTINGS = [dict(), dict(transform="dct"), dict(values="int8")]
+SETTINGS = [dict(), dict(transform="dct"), dict(values="int8"), dict(indices="elias-fano"),
+            dict(values="int8", indices="elias-fano")]
+SETTING_IDS = ["2bit", "dct", "int8", "2bit-ef", "int8-ef"]     # 2bit-ef: aligned and unaligned groups in every set
 
 
 def _rows(shapes, world: int, seed: int = 0) -> list[torch.Tensor]:
@@ -46,7 +50,7 @@ def _encode(flat: FlatSparseLoCo, x: torch.Tensor):
     return payload, sent
 
 
-@pytest.mark.parametrize("settings", SETTINGS, ids=["2bit", "dct", "int8"])
+@pytest.mark.parametrize("settings", SETTINGS, ids=SETTING_IDS)
 @pytest.mark.parametrize("name", SHAPE_SETS)
 def test_bytes_and_decoded_values_are_the_per_tensor_ones(name, settings):
     shapes = SHAPE_SETS[name]
@@ -70,7 +74,7 @@ def test_groups_are_by_chunk_geometry_and_padding_or_transform_keeps_a_tensor_al
 
 
 @pytest.mark.parametrize("mode", ["mean", "senders"])
-@pytest.mark.parametrize("settings", SETTINGS, ids=["2bit", "dct", "int8"])
+@pytest.mark.parametrize("settings", SETTINGS, ids=SETTING_IDS)
 def test_mean_of_three_rows_is_the_per_tensor_aggregate(settings, mode):
     comp = SparseLoCoTopK(topk=32, chunk=16, **settings)
     flat = FlatSparseLoCo(comp, MIXED, "cpu")
@@ -99,3 +103,18 @@ def test_a_malformed_row_is_refused_with_the_per_tensor_errors():
     bad_level[levels: levels + 16] = torch.tensor([float("nan")] * 4).view(torch.uint8)
     with pytest.raises(ValueError, match="non-finite values"):
         flat.decode([bad_level, payload])
+
+
+def test_a_malformed_elias_fano_row_is_refused_with_the_per_tensor_errors():
+    comp = SparseLoCoTopK(topk=32, chunk=16, indices="elias-fano")
+    flat = FlatSparseLoCo(comp, ALIGNED, "cpu")
+    payload, _ = _encode(flat, _rows(ALIGNED, 1)[0])
+    lows = packed_nbytes(comp.plan(ALIGNED[0]).num_chunks * 32, 3)
+    bad = payload.clone()
+    bad[flat.payloads[0].start + lows] ^= 0x01                      # (64, 32): a bit of the first bitmap flipped
+    part = bad[flat.payloads[0].start: flat.payloads[0].stop]
+    with pytest.raises(ValueError, match="bitmap holds") as per_tensor:
+        comp.read(Payload.from_buffer(part, comp.payload_spec(ALIGNED[0])), ALIGNED[0])
+    with pytest.raises(ValueError, match="bitmap holds") as flat_error:
+        flat.decode([payload, bad])
+    assert str(flat_error.value) == str(per_tensor.value)

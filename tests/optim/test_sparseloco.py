@@ -55,6 +55,10 @@ def _sparseloco(params, **kw):
 #   (37, 24): 144 + 16 + 36 = 196;  (37,): 3 + 16 + 2 = 21;  (10, 37): 60 + 16 + 15 = 91;  (10,): 1 + 16 + 1 = 18
 # after the prefix: 8-byte header, 1 byte of presence for 4 parameters.
 SYNC_BYTES = 9 + 196 + 21 + 91 + 18
+# indices='elias-fano': L = floor(log2(E / k)) = 3 for all four (192/24, 16/2, 160/20, 10/1), a bitmap
+# of B = k + floor((E - 1) / 8) + 1 bits per chunk: 48, 4, 40, 3. Index bytes ceil(C k 3 / 8) + ceil(C B / 8):
+#   (37, 24): 54 + 36 = 90;  (37,): 3 + 2 = 5;  (10, 37): 23 + 15 = 38;  (10,): 1 + 1 = 2
+EF_SYNC_BYTES = 9 + (90 + 16 + 36) + (5 + 16 + 2) + (38 + 16 + 15) + (2 + 16 + 1)
 
 
 # ---- the independent reference ---------------------------------------------------------------
@@ -242,6 +246,9 @@ def checks(rank: int, world: int) -> dict:
         "reference_scaled": reference(world, H, eager=True, scale=EAGER_SCALE),
         "wide": _run(rank, lambda ps: _sparseloco(ps, overlap=True, delay=H), model=_wide_model),
         "reference_wide": reference(world, H, eager=True, model=_wide_model),
+        "ef": _run(rank, lambda ps: _sparseloco(ps, indices="elias-fano")),
+        "ef_wide": _run(rank, lambda ps: _sparseloco(ps, overlap=True, delay=H, indices="elias-fano"),
+                        model=_wide_model),
         **{f"nan_eager{e}": _run(rank, lambda ps, e=e: _sparseloco(ps, overlap=True, delay=H, eager=e,
                                                                      nonfinite="skip"), steps=H, nan_at=H - 1)
            for e in (True, False)},
@@ -285,6 +292,16 @@ def test_bytes_per_sync_equal_the_wire_formula(outcome):
                                     "link_bytes_received": SYNC_BYTES * (world - 1), "collectives": 1}
 
 
+def test_elias_fano_indices_send_fewer_bytes_and_change_no_bit_of_the_training(outcome):
+    """A lossless coding: the reference's syncs bit for bit, in the bytes of its formula."""
+    world, ranks = outcome
+    for rank, r in enumerate(ranks):
+        for step in SYNCS:
+            assert torch.equal(r["ef"]["params"][step], r["reference"]["anchors"][step]), (rank, step)
+        assert torch.equal(r["ef"]["errors"][-1], r["reference"]["errors"][rank])
+        assert r["ef"]["sent"] == [EF_SYNC_BYTES if s in SYNCS else 0 for s in range(STEPS)]
+
+
 def test_no_decay_every_element_fp32_is_plain_averaging(outcome):
     world, ranks = outcome
     for r in ranks:
@@ -323,12 +340,14 @@ def test_a_skipped_sync_moves_no_anchor_and_no_error(outcome):
 
 
 @pytest.mark.parametrize("name, reference_name", [("delay2", "reference2"), (f"delay{H}", f"reference{H}"),
-                                                   ("scaled", "reference_scaled"), ("wide", "reference_wide")])
+                                                   ("scaled", "reference_scaled"), ("wide", "reference_wide"),
+                                                   ("ef_wide", "reference_wide")])
 def test_a_delayed_sync_matches_the_reference_bit_for_bit(outcome, name, reference_name):
     """delay τ: θ₀ after every step, each replica at the end and its e, against the reference's
     landing at step s + τ with the replica's own local steps kept (τ = 2 from where it stood,
     τ = H eager: from its jump to θ₀ − c α Δ̂_r, c = 1 and EAGER_SCALE; 'wide': the same on a model
-    whose tensors are unpadded and two of them packed as one group)."""
+    whose tensors are unpadded and two of them packed as one group; 'ef_wide': that with the
+    indices Elias-Fano coded)."""
     _, ranks = outcome
     for rank, r in enumerate(ranks):
         run, ref = r[name], r[reference_name]
@@ -386,7 +405,7 @@ def test_a_skipped_delayed_sync_undoes_the_eager_jump(outcome):
 
 @pytest.mark.parametrize("kwargs, name", [
     ({"sync_every": 0}, "sync_every"), ({"topk": 0}, "topk"), ({"topk": 1.5}, "topk"), ({"topk": 257}, "topk"),
-    ({"chunk": 0}, "chunk"), ({"values": "sign"}, "values"), ({"transform": "random"}, "transform"),
+    ({"chunk": 0}, "chunk"), ({"values": "sign"}, "values"), ({"indices": "gamma"}, "indices"), ({"transform": "random"}, "transform"),
     ({"error_decay": 1.5}, "error_decay"), ({"error_decay": -0.1}, "error_decay"), ({"outer_lr": 0.0}, "outer_lr"),
     ({"aggregate": "sum"}, "aggregate"), ({"nonfinite": "ignore"}, "nonfinite"), ({"overlap": 1}, "overlap"),
     ({"delay": 2}, "delay"), ({"delay": 0, "overlap": True}, "delay"), ({"delay": 4, "sync_every": 3, "overlap": True}, "delay"),

@@ -66,24 +66,24 @@ def test_delayed_entries_keep_each_sync_in_flight_for_a_whole_interval():
 
 
 def test_sparseloco_compression_flags_reach_the_optimizer():
-    """--sparseloco-topk/-chunk/-values/-error-decay/-outer-lr/-eager-scale build SparseLoCo (and its
+    """--sparseloco-topk/-chunk/-values/-indices/-error-decay/-outer-lr/-eager-scale build SparseLoCo (and its
     delayed entry) with that compression, β, α and eager jump; without them it is the paper's
     (top-128 of 64 x 64, 2-bit, β 0.95, α 1) with the eager jump at c = 1."""
     from thinwire.train.cli import build_parser, config_from_args
     argv = ["compare", "--preset", "tiny", "--sparseloco-topk", "32", "--sparseloco-chunk", "32",
             "--sparseloco-values", "int8", "--sparseloco-error-decay", "0.8", "--sparseloco-outer-lr", "1.5",
-            "--sparseloco-eager-scale", "2"]
+            "--sparseloco-eager-scale", "2", "--sparseloco-indices", "elias-fano"]
     cfg = config_from_args(build_parser().parse_args(argv))
     for name in ("sparseloco", "sparseloco-delayed"):
         opt = get_optimizer(name).build(build_model(cfg), cfg, 1e-3).optimizer
         c = opt.compressor
         assert (c.topk, c.chunk, c.codec.name, opt.error_decay, opt.outer_lr) == (32, 32, "int8", 0.8, 1.5), name
-        assert opt.eager_scale == 2.0, name
+        assert opt.eager_scale == 2.0 and c.indices == "elias-fano", name
     default = config_from_args(build_parser().parse_args(["compare", "--preset", "tiny"]))
     opt = get_optimizer("sparseloco").build(build_model(default), default, 1e-3).optimizer
     c = opt.compressor
-    assert (c.topk, c.chunk, c.codec.name, opt.error_decay, opt.outer_lr, opt.eager_scale) == \
-        (128, 64, "2bit", 0.95, 1.0, 1.0)
+    assert (c.topk, c.chunk, c.codec.name, c.indices, opt.error_decay, opt.outer_lr, opt.eager_scale) == \
+        (128, 64, "2bit", "packed", 0.95, 1.0, 1.0)
 
 
 def test_diloco_outer_flags_reach_the_optimizer():

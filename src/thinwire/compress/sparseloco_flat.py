@@ -30,7 +30,8 @@ import torch
 
 from ..ops.select import largest_indices
 from ..optim.flat import Span, spans
-from ..wire import index_width, pack_bits, packed_nbytes, unpack_bits
+from ..wire import pack_bits, packed_nbytes, unpack_bits
+from ..wire.indices import pack_stream, unpack_stream
 from ..wire.twobit import LEVELS, quantize_rows
 from .payload import Payload
 from .sparseloco_topk import Sent, SparseLoCoTopK
@@ -45,15 +46,18 @@ class _Group:
     def __init__(self, members: list[int], plans, payloads: list[Span], compressor: SparseLoCoTopK, device):
         self.members, self.plans, self.payloads = members, plans, payloads
         self.h, self.w, self.k = plans[0].chunk_rows, plans[0].chunk_cols, compressor.k(plans[0].shape)
-        self.width = index_width(plans[0].chunk_elems)
+        self.coding = compressor.coding(plans[0].shape)
         self.chunks = [p.num_chunks for p in plans]
         self.first = list(accumulate(self.chunks, initial=0))                   # member j's rows: first[j]..first[j+1]
         self.rows = self.first[-1]
-        counts = [c * self.k for c in self.chunks]
-        self.aligned = all(c * self.width % 8 == 0 and c % 4 == 0 for c in counts)
-        self.index_bytes = [packed_nbytes(c, self.width) for c in counts]
-        self.code_bytes = [packed_nbytes(c, 2) for c in counts]
-        self.index_at, self.code_at = list(accumulate(self.index_bytes, initial=0)), list(accumulate(self.code_bytes, initial=0))
+        # per index stream s (member j's bytes of it: c_j·m_s values of bits_s), and the codes
+        self.stream_bytes = [[packed_nbytes(c * m, bits) for c in self.chunks] for m, bits, _ in self.coding.streams]
+        self.stream_at = [list(accumulate(sizes, initial=0)) for sizes in self.stream_bytes]
+        self.index_bytes = [self.coding.nbytes(c) for c in self.chunks]
+        self.code_bytes = [packed_nbytes(c * self.k, 2) for c in self.chunks]
+        self.code_at = list(accumulate(self.code_bytes, initial=0))
+        self.aligned = all(c * m * bits % 8 == 0 and c * self.k % 4 == 0
+                           for c in self.chunks for m, bits, _ in self.coding.streams)
         # per chunk: the flat position of its (0, 0) in its tensor, and that tensor's columns  [G, 1]
         origins, cols = [], []
         for plan in plans:
@@ -81,6 +85,8 @@ class _Group:
         # [R, C] -> [gr, h, gc, w] -> [gr, gc, h, w]: |x| chunk-major, one strided pass
         torch.abs(x.view(gr, h, gc, w).permute(0, 2, 1, 3), out=mag)
         idx = largest_indices(mag.view(gr * gc, h * w), self.k)                 # [C, k]
+        if self.coding.sorted:
+            idx = idx.sort(dim=-1).values                                       # each chunk's ascending
         positions = self.positions(idx, rows).view(-1)                          # [C·k]
         # the kept values (index_select: about 2x torch.take's speed on CPU here), one row: the tensor's
         q, levels = quantize_rows(x.view(-1).index_select(0, positions).view(1, -1))
@@ -92,15 +98,20 @@ class _Group:
         """Every member's indices, levels and codes into its payload span."""
         level_bytes = self.levels.view(torch.uint8).view(-1, LEVEL_BYTES)
         if self.aligned:
-            index_stream, code_stream = pack_bits(self.idx, self.width), pack_bits(self.codes, 2)
+            index_streams = [pack_stream(part, bits, _bytes(packed_nbytes(part.numel(), bits), payload.device))
+                             for part, (_, bits, _) in zip(self.coding.split(self.idx), self.coding.streams)]
+            code_stream = pack_bits(self.codes, 2)
         for j, span in enumerate(self.payloads):
             out, ni = span.of(payload), self.index_bytes[j]
             a, b = self.first[j], self.first[j + 1]
             if self.aligned:
-                out[:ni].copy_(index_stream[self.index_at[j]: self.index_at[j + 1]])
+                at = 0
+                for stream, starts in zip(index_streams, self.stream_at):
+                    out[at: at + starts[j + 1] - starts[j]].copy_(stream[starts[j]: starts[j + 1]])
+                    at += starts[j + 1] - starts[j]
                 out[ni + LEVEL_BYTES:].copy_(code_stream[self.code_at[j]: self.code_at[j + 1]])
             else:
-                pack_bits(self.idx[a:b], self.width, out=out[:ni])
+                self.coding.pack(self.idx[a:b], out=out[:ni])
                 pack_bits(self.codes[a:b], 2, out=out[ni + LEVEL_BYTES:])
             out[ni: ni + LEVEL_BYTES].copy_(level_bytes[j])
 
@@ -110,21 +121,30 @@ class _Group:
         parts = [span.of(payload) for span in self.payloads]
         index_parts = [b[:n] for b, n in zip(parts, self.index_bytes)]
         code_parts = [b[n + LEVEL_BYTES:] for b, n in zip(parts, self.index_bytes)]
-        count, elems = self.rows * self.k, self.h * self.w
+        count = self.rows * self.k
         if self.aligned:
-            idx = unpack_bits(torch.cat(index_parts), self.width, count)
+            streams = [torch.cat(_stream_parts(index_parts, s, self.stream_bytes)) for s in range(len(self.stream_bytes))]
+            idx = self.coding.join([unpack_stream(b, bits, self.rows * m, flags)
+                                    for b, (m, bits, flags) in zip(streams, self.coding.streams)], self.rows)
             q = unpack_bits(torch.cat(code_parts), 2, count)
         else:
-            idx = torch.cat([unpack_bits(b, self.width, c * self.k) for b, c in zip(index_parts, self.chunks)])
+            idx = torch.cat([self.coding.unpack(b, c) for b, c in zip(index_parts, self.chunks)])
             q = torch.cat([unpack_bits(b, 2, c * self.k) for b, c in zip(code_parts, self.chunks)])
-        if int(idx.max()) >= elems:
-            raise ValueError(f"malformed payload: index {int(idx.max())} out of range for a chunk of {elems}")
         levels = torch.cat([b[n: n + LEVEL_BYTES] for b, n in zip(parts, self.index_bytes)]).view(torch.float32)
         values = levels.take(q.view(self.rows, self.k) + LEVELS * self.tensor_of_row.unsqueeze(1))   # [G, k]
         if not bool(torch.isfinite(values).all()):
             raise ValueError("malformed payload: non-finite values")
         positions = self.positions(idx.view(self.rows, self.k), slice(None))
         return [(positions[a:b].view(-1), values[a:b].view(-1)) for a, b in zip(self.first, self.first[1:])]
+
+
+def _stream_parts(index_parts: list[torch.Tensor], s: int, sizes: list[list[int]]) -> list[torch.Tensor]:
+    """Each member's bytes of index stream s: its index part holds streams 0..s-1 first."""
+    return [part[sum(sizes_j[:s]): sum(sizes_j[: s + 1])] for part, sizes_j in zip(index_parts, zip(*sizes))]
+
+
+def _bytes(n: int, device) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8, device=device)
 
 
 class FlatSparseLoCo:

@@ -11,7 +11,9 @@ choices, on any tensor.
                    rows, one per chunk (one scale per chunk for int8).
 
 Wire format of one tensor of C chunks of E elements each: the C·k chunk-local indices in
-ceil(log2 E) bits each, bit-packed, then the values:
+ceil(log2 E) bits each, bit-packed (indices='elias-fano': each chunk's ascending, in
+ceil(C·k·L / 8) + ceil(C·(k + ((E − 1) >> L) + 1) / 8) bytes, L = floor(log2(E / k)),
+`thinwire.wire.indices`), then the values, in the indices' order:
     2bit  16 + ceil(C·k / 4) bytes     int8  4·C + C·k     bf16  2·C·k     fp32  4·C·k
 
 `encode_sent` is `encode` that also returns what every receiver will decode from the bytes,
@@ -62,12 +64,13 @@ class SparseLoCoTopK(ChunkedTopK):
     """Top-k per chunk at a fixed density, the values quantized per tensor (module docstring).
     `topk` is k for a full chunk × chunk chunk, 1 <= topk <= chunk²."""
 
-    def __init__(self, topk: int = 128, chunk: int = 64, transform: str = "identity", values: str = "2bit"):
+    def __init__(self, topk: int = 128, chunk: int = 64, transform: str = "identity", values: str = "2bit",
+                 indices: str = "packed"):
         if transform not in SPARSE_TRANSFORMS:
             raise ValueError(f"transform must be one of {SPARSE_TRANSFORMS}, got {transform!r}")
         if values not in SPARSE_VALUES:
             raise ValueError(f"values must be one of {SPARSE_VALUES}, got {values!r}")
-        super().__init__(topk, chunk, transform, values)
+        super().__init__(topk, chunk, transform, values, indices=indices)
         if self.topk > self.chunk ** 2:
             raise ValueError(f"topk must be at most chunk**2 = {self.chunk ** 2} (every element), got {topk}")
         if values == "2bit":

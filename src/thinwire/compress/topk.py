@@ -1,7 +1,9 @@
 """Chunked transform + top-k per chunk: DeMo's compressor, usable on any tensor.
 
 Wire format of one tensor (all sizes derived from its shape, so nothing else is sent):
-    indices: num_chunks * k indices, each in ceil(log2(h*w)) bits (`thinwire.wire.pack_bits`)
+    indices: num_chunks * k indices, each in ceil(log2(h*w)) bits (`thinwire.wire.pack_bits`);
+             with indices='elias-fano' each chunk's in ascending order, about log2(h*w / k) + 2
+             bits each (`thinwire.wire.indices`), and the values in that order
     values:  num_chunks rows of k values in the chosen codec (fp32, bf16, fp16, int8 or
              sign, with one scale per chunk for the last two)
 k = min(topk, h*w). Chunks are in row-major order over the chunk grid, and a coefficient's
@@ -20,7 +22,8 @@ from typing import Sequence
 import torch
 
 from ..ops.select import largest_indices
-from ..wire import get_codec, index_width, pack_bits, packed_nbytes, unpack_bits
+from ..wire import get_codec, index_coding
+from ..wire.indices import PackedIndices
 from .chunking import ChunkPlan
 from .payload import Payload, PayloadSpec, check_buffer
 from .transforms import ChunkTransform
@@ -43,7 +46,7 @@ class ChunkedTopK:
     """
 
     def __init__(self, topk: int = 32, chunk: int = 64, transform: str = "dct", values: str = "bf16",
-                 seed: int = 0):
+                 seed: int = 0, indices: str = "packed"):
         if int(topk) != topk or topk < 1:
             raise ValueError(f"topk must be an integer >= 1, got {topk}")
         if int(chunk) != chunk or chunk < 1:
@@ -51,6 +54,8 @@ class ChunkedTopK:
         self.topk, self.chunk = int(topk), int(chunk)
         self.transform = ChunkTransform(transform, seed)
         self.codec = get_codec(values)
+        self.indices = index_coding(indices, 1, 1).name                  # ValueError for an unknown coding
+        self._codings: dict[tuple[int, int], PackedIndices] = {}
         self._plans: dict[tuple[int, ...], ChunkPlan] = {}
         self._origins: dict[tuple, torch.Tensor] = {}
 
@@ -63,10 +68,16 @@ class ChunkedTopK:
     def k(self, shape) -> int:
         return min(self.topk, self.plan(shape).chunk_elems)
 
+    def coding(self, shape) -> PackedIndices:
+        """The coding of this shape's chunk-local indices (k of the chunk's E per chunk)."""
+        key = (self.k(shape), self.plan(shape).chunk_elems)
+        if key not in self._codings:
+            self._codings[key] = index_coding(self.indices, *key)
+        return self._codings[key]
+
     def payload_spec(self, shape) -> PayloadSpec:
         plan, k = self.plan(shape), self.k(shape)
-        count = plan.num_chunks * k
-        return (("indices", packed_nbytes(count, index_width(plan.chunk_elems))),
+        return (("indices", self.coding(shape).nbytes(plan.num_chunks)),
                 ("values", self.codec.nbytes(plan.num_chunks, k)))
 
     def payload_nbytes(self, shape) -> int:
@@ -102,6 +113,8 @@ class ChunkedTopK:
         # [R, C] -> [gr, h, gc, w] -> [gr, gc, h, w]: |coefficients| chunk-major, one strided pass
         torch.abs(image.view(gr, h, gc, w).permute(0, 2, 1, 3), out=magnitude)
         idx = largest_indices(magnitude.view(plan.num_chunks, h * w), k)
+        if self.coding(shape).sorted:
+            idx = idx.sort(dim=-1).values                                # each chunk's ascending, as the coding sends them
         positions = self.positions(plan, idx)
         return idx, positions, torch.take(image, positions)              # image.view(-1)[positions], 5x faster on CPU
 
@@ -111,7 +124,7 @@ class ChunkedTopK:
         if out is None:
             out = torch.empty(sum(n for _, n in spec), dtype=torch.uint8, device=read[1].device)
         payload = Payload.from_buffer(out, spec)
-        pack_bits(read[0], index_width(self.plan(shape).chunk_elems), out=payload.parts["indices"])
+        self.coding(shape).pack(read[0], out=payload.parts["indices"])
         self.codec.encode(read[1], out=payload.parts["values"])
         return payload
 
@@ -142,10 +155,7 @@ class ChunkedTopK:
     def read(self, payload: Payload, shape) -> Read:
         """(indices [n_chunks, k] int64, values [n_chunks, k] float32), validated."""
         plan, k = self.plan(shape), self.k(shape)
-        count, elems = plan.num_chunks * k, plan.chunk_elems
-        idx = unpack_bits(payload.parts["indices"], index_width(elems), count).view(plan.num_chunks, k)
-        if count and int(idx.max()) >= elems:
-            raise ValueError(f"malformed payload: index {int(idx.max())} out of range for a chunk of {elems}")
+        idx = self.coding(shape).unpack(payload.parts["indices"], plan.num_chunks)
         vals = self.codec.decode(payload.parts["values"], plan.num_chunks, k)
         if not bool(torch.isfinite(vals).all()):
             raise ValueError("malformed payload: non-finite values")

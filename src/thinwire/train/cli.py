@@ -16,11 +16,12 @@ DEFAULT_COMPARE = "adamw,powersgd,demo"
 _OVERRIDES = ("model", "init_from", "workers", "sites", "n_layer", "n_embd", "n_head", "context", "vocab_size", "rows",
               "steps", "eval_every", "eval_rows", "seed", "lr", "topk", "chunk", "alpha", "beta", "momentum_form", "rank", "values", "compressed_after",
               "uplink", "sync_every", "sync_delay", "lowrank", "sparseloco_topk", "sparseloco_chunk", "sparseloco_values",
-              "sparseloco_error_decay", "sparseloco_outer_lr", "sparseloco_eager_scale", "diloco_outer_lr",
+              "sparseloco_indices", "sparseloco_error_decay", "sparseloco_outer_lr", "sparseloco_eager_scale", "diloco_outer_lr",
               "diloco_outer_momentum")
 _FLOATS = ("lr", "alpha", "beta", "compressed_after", "sparseloco_error_decay", "sparseloco_outer_lr",
            "sparseloco_eager_scale", "diloco_outer_lr", "diloco_outer_momentum")
-_STRINGS = ("model", "init_from", "values", "uplink", "momentum_form", "sparseloco_values")
+_STRINGS = ("model", "init_from", "values", "uplink", "momentum_form", "sparseloco_values",
+            "sparseloco_indices")
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:

@@ -54,6 +54,7 @@ class TrainConfig:
     sparseloco_topk: int = 128   # SparseLoCo: values kept per chunk x chunk chunk (the paper's 128 of 64 x 64)
     sparseloco_chunk: int = 64   # SparseLoCo: target chunk side
     sparseloco_values: str = "2bit"  # SparseLoCo: wire format of the kept values (2bit, int8, bf16, fp32)
+    sparseloco_indices: str = "packed"  # SparseLoCo: coding of the kept indices (packed, elias-fano)
     sparseloco_error_decay: float = 0.95  # SparseLoCo: β of the error feedback e <- βe + Δ (the paper's 0.95)
     sparseloco_outer_lr: float = 1.0      # SparseLoCo: α of the outer step θ₀ <- θ₀ - α mean(Δ̂) (the paper's 1)
     sparseloco_eager_scale: float = 1.0   # sparseloco-delayed: c of the eager jump θ <- θ₀ - c α Δ̂_r (1: its estimate)
@@ -154,6 +155,8 @@ FIELD_HELP = {
                        "(default 128: 3.1 %%, the paper's)",
     "sparseloco_chunk": "SparseLoCo: target chunk side (default 64; 32 packs each index in 10 bits, not 12)",
     "sparseloco_values": "SparseLoCo: wire format of the kept values, 2bit|int8|bf16|fp32 (default 2bit)",
+    "sparseloco_indices": "SparseLoCo: coding of the kept indices, packed|elias-fano (default packed: "
+                          "ceil(log2 E) bits each; elias-fano: each chunk's sorted, 7 bits each at 32 of 1024, lossless)",
     "sparseloco_error_decay": "SparseLoCo: decay beta of the error feedback e <- beta e + delta, in [0, 1] "
                               "(default 0.95, the paper's)",
     "sparseloco_outer_lr": "SparseLoCo: outer learning rate alpha of theta0 <- theta0 - alpha mean(sent), > 0 "
@@ -203,6 +206,7 @@ FAMILY_DEFAULTS = {("small", "llama"): {"topk": 44}}
 def _check_sparseloco_diloco(cfg: TrainConfig) -> None:
     """SparseLoCo's and DiLoCo's fields, each error naming its CLI field."""
     from ..compress.sparseloco_topk import SPARSE_VALUES
+    from ..wire.indices import INDEX_CODINGS
     if cfg.sparseloco_chunk < 1:
         raise ValueError(f"sparseloco_chunk must be >= 1, got {cfg.sparseloco_chunk}")
     if not 1 <= cfg.sparseloco_topk <= cfg.sparseloco_chunk ** 2:
@@ -210,6 +214,8 @@ def _check_sparseloco_diloco(cfg: TrainConfig) -> None:
                          f"got {cfg.sparseloco_topk}")
     if cfg.sparseloco_values not in SPARSE_VALUES:
         raise ValueError(f"sparseloco_values must be one of {', '.join(SPARSE_VALUES)}, got {cfg.sparseloco_values!r}")
+    if cfg.sparseloco_indices not in INDEX_CODINGS:
+        raise ValueError(f"sparseloco_indices must be one of {', '.join(INDEX_CODINGS)}, got {cfg.sparseloco_indices!r}")
     if not 0.0 <= cfg.sparseloco_error_decay <= 1.0:
         raise ValueError(f"sparseloco_error_decay must be in [0, 1], got {cfg.sparseloco_error_decay}")
     if not cfg.sparseloco_outer_lr > 0.0:

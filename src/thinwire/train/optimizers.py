@@ -235,7 +235,7 @@ def _diloco(model, cfg, lr, group=None, delayed: bool = False):
 
 def _sparseloco(model, cfg, lr, group=None, delayed: bool = False):
     """SparseLoCo with the run's compression (by default the paper's: top-128 of 64 x 64 chunks,
-    2-bit values; --sparseloco-topk/-chunk/-values), its β and α (by default the paper's 0.95 and 1;
+    2-bit values; --sparseloco-topk/-chunk/-values/-indices), its β and α (by default the paper's 0.95 and 1;
     --sparseloco-error-decay, --sparseloco-outer-lr), its eager jump's c when delayed
     (--sparseloco-eager-scale), and the run's H, so it compares
     with DiLoCo at the same sync interval. The tiny preset's matrices are [256|192|64|32, 64] and
@@ -244,7 +244,7 @@ def _sparseloco(model, cfg, lr, group=None, delayed: bool = False):
     inner = lambda ps: _torch_adamw(ps, cfg, lr)  # noqa: E731
     return _wrap(SparseLoCo(model.parameters(), inner=inner, sync_every=cfg.sync_every, process_group=group,
                             topk=cfg.sparseloco_topk, chunk=cfg.sparseloco_chunk, values=cfg.sparseloco_values,
-                            error_decay=cfg.sparseloco_error_decay, outer_lr=cfg.sparseloco_outer_lr,
+                            indices=cfg.sparseloco_indices, error_decay=cfg.sparseloco_error_decay, outer_lr=cfg.sparseloco_outer_lr,
                             eager_scale=cfg.sparseloco_eager_scale, **_delay(cfg, delayed)), model,
                  replicas_drift=True)
 

@@ -2,9 +2,12 @@
 receiver can slice a message without any metadata on the wire.
 
 `bits`: unsigned integers of any width 1..32 packed densely (`pack_bits` / `unpack_bits`),
-and signs at 1 bit each (`pack_signs` / `unpack_signs`). Value i occupies stream bits
+signs and bool flags at 1 bit each (`pack_signs`, `pack_flags` and their inverses). Value i occupies stream bits
 [i*width, (i+1)*width), least significant bit first; stream bit j is bit j % 8 of byte
 j // 8; the last byte is zero-padded: ceil(count * width / 8) bytes in all.
+
+`indices`: `INDEX_CODINGS`, the codings of a top-k's chunk-local indices: 'packed' (ceil(log2 n)
+bits each) and 'elias-fano' (rows ascending, about log2(n / k) + 2 bits each).
 
 `values`: `VALUE_FORMATS`, the one table of value-format names (name -> `ValueFormat`: bits
 per value, per-row scale or not, lossless or not, error factor, whether `get_codec` has it;
@@ -22,7 +25,8 @@ stage on flat vectors only: `thinwire.compress.value_stages`. All multi-byte num
 little-endian.
 """
 
-from .bits import index_width, pack_bits, pack_signs, packed_nbytes, unpack_bits, unpack_signs
+from .bits import index_width, pack_bits, pack_flags, pack_signs, packed_nbytes, unpack_bits, unpack_flags, unpack_signs
+from .indices import INDEX_CODINGS, EliasFanoIndices, PackedIndices, index_coding
 from .values import (CODEC_NAMES, FP16_MAX, VALUE_FORMATS, FloatCodec, Int8Codec, SignCodec, ValueCodec,
                      ValueFormat, get_codec)
 from .twobit import TwoBitCodec
@@ -30,5 +34,7 @@ from .twobit import TwoBitCodec
 __all__ = [
     "CODEC_NAMES", "FP16_MAX", "FloatCodec", "Int8Codec", "SignCodec", "TwoBitCodec", "VALUE_FORMATS",
     "ValueCodec", "ValueFormat", "get_codec",
-    "index_width", "pack_bits", "pack_signs", "packed_nbytes", "unpack_bits", "unpack_signs",
+    "INDEX_CODINGS", "EliasFanoIndices", "PackedIndices", "index_coding",
+    "index_width", "pack_bits", "pack_flags", "pack_signs", "packed_nbytes", "unpack_bits", "unpack_flags",
+    "unpack_signs",
 ]

@@ -234,6 +234,26 @@ def pack_signs(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
     return out
 
 
+def pack_flags(flags: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One bit per element of a bool tensor (flattened), 8 per byte in the module's bit order:
+    pack_bits(flags, 1) without widening to int64. Returns (or fills `out` with)
+    packed_nbytes(flags.numel(), 1) bytes."""
+    if not isinstance(flags, torch.Tensor) or flags.dtype != torch.bool:
+        raise ValueError(f"flags must be a bool tensor, got {getattr(flags, 'dtype', type(flags))}")
+    bits = flags.reshape(-1).view(torch.uint8)      # bool is stored as one 0/1 byte
+    out = _check_out(out, packed_nbytes(bits.numel(), 1), flags.device)
+    _pack_stream(bits, 1, out, word_bits=8)
+    return out
+
+
+def unpack_flags(buf: torch.Tensor, count: int) -> torch.Tensor:
+    """Inverse of pack_flags: `count` bools from packed_nbytes(count, 1) bytes."""
+    _check_buf(buf, packed_nbytes(count, 1), f"{count} flags")
+    bits = torch.empty(count, dtype=torch.uint8, device=buf.device)
+    _unpack_stream(buf.contiguous(), 1, count, bits, word_bits=8)
+    return bits.view(torch.bool)
+
+
 def unpack_signs(buf: torch.Tensor, count: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of pack_signs: `count` values of +1.0 (bit 1) or -1.0 (bit 0) in `dtype`."""
     nbytes = packed_nbytes(count, 1)
