@@ -1,7 +1,7 @@
 """SparseLoCo's training step against dense AdamW's, in the same processes, alternating.
 
     python benchmarks/sparseloco_step_ratio.py [--preset wan] [--sync-every 8] [--delay 6]
-                                               [--topk 32] [--chunk 32] [--blocks 24]
+                                               [--topk 32] [--chunk 32] [--indices packed] [--blocks 24]
 
 The harness divides SparseLoCo's time to target by AdamW's compute-only step, calibrated in
 another run; on a shared CPU the machine's speed can move between runs. This script takes
@@ -52,7 +52,7 @@ def _worker(rank: int, args, port: int, out) -> None:
     dense = _adamw(ddp.parameters(), 3e-4)
     model = build_model(cfg)
     sparse = SparseLoCo(model.parameters(), inner=lambda ps: _adamw(ps, 6e-4), sync_every=h, overlap=True,
-                        delay=args.delay, topk=args.topk, chunk=args.chunk)
+                        delay=args.delay, topk=args.topk, chunk=args.chunk, indices=args.indices)
     adamw, rounds, step = [], {i: [] for i in range(h)}, 0
     for block in range(args.blocks + WARMUP_BLOCKS):
         for _ in range(h):

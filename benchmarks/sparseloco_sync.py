@@ -1,7 +1,7 @@
 """What SparseLoCo's sync costs in compute, against its local steps and a plain AdamW step.
 
     python benchmarks/sparseloco_sync.py [--preset wan] [--sync-every 8] [--delay 6] [--rounds 12]
-                                         [--topk 128] [--chunk 64]
+                                         [--topk 128] [--chunk 64] [--indices packed]
 
 Two ranks on a real gloo group (one process each, one torch thread each, as the harness runs
 `wan` on 2 cores), the preset's model with random gradients, no link: every step of a round is
@@ -54,7 +54,7 @@ def _worker(rank: int, args, port: int, out) -> None:
     cfg = get_preset(args.preset)
     params = list(build_model(cfg).parameters())
     opt = SparseLoCo(params, inner=_adamw, sync_every=args.sync_every, overlap=True, delay=args.delay,
-                     topk=args.topk, chunk=args.chunk)
+                     topk=args.topk, chunk=args.chunk, indices=args.indices)
     sparse = _timed_steps(opt, params, args.rounds, args.sync_every, rank)
     adamw_params = list(build_model(cfg).parameters())
     dense = _timed_steps(_adamw(adamw_params), adamw_params, args.rounds, args.sync_every, rank)
@@ -87,6 +87,7 @@ def round_arguments(parser: argparse.ArgumentParser, topk: int, chunk: int) -> N
     parser.add_argument("--delay", type=int, default=6)
     parser.add_argument("--topk", type=int, default=topk, help=f"values kept per chunk (default {topk})")
     parser.add_argument("--chunk", type=int, default=chunk, help=f"target chunk side (default {chunk})")
+    parser.add_argument("--indices", default="packed", help="coding of the kept indices: packed (default) | elias-fano")
 
 
 def round_table(sparse: list[float], dense: list[float], every: int, delay: int) -> None:
@@ -110,35 +111,37 @@ def parts_table(args) -> None:
     """The sync's compressor work over the model's tensors, one thread, alternating: tensor by
     tensor through SparseLoCoTopK (encode_sent; read and aggregate of 2 rows), against
     FlatSparseLoCo (encode of each, one write; one decode, then each tensor's mean), the path
-    SparseLoCo takes."""
+    SparseLoCo takes, with the indices packed and Elias-Fano coded."""
     from thinwire.compress import Payload, SparseLoCoTopK
-    from thinwire.compress.sparseloco_flat import FlatSparseLoCo
     torch.set_num_threads(1)
     comp = SparseLoCoTopK(args.topk, args.chunk)
     xs = [torch.randn(p.shape) * 1e-3 for p in build_model(get_preset(args.preset)).parameters()]
-    flat = FlatSparseLoCo(comp, [x.shape for x in xs], "cpu")
-    payload = torch.empty(flat.nbytes, dtype=torch.uint8)
-    own = {i: flat.encode(i, x, payload) for i, x in enumerate(xs)}
-    flat.write(payload)
-    rows, means = [payload.clone(), payload.clone()], [torch.empty_like(x) for x in xs]
+    flat, payload, own, rows = _flat_sync(comp, xs)
+    ef = _flat_sync(SparseLoCoTopK(args.topk, args.chunk, indices="elias-fano"), xs)
+    means = [torch.empty_like(x) for x in xs]
 
     def per_tensor_landing():
         for x, span in zip(xs, flat.payloads):
             spec = comp.payload_spec(x.shape)
             comp.aggregate([comp.read(Payload.from_buffer(span.of(row), spec), x.shape) for row in rows], x.shape)
 
-    def flat_landing():
+    def flat_landing(flat, payload, own, rows):
         decoded = flat.decode(rows, (0, own))
         for i, out in enumerate(means):
             flat.mean(i, decoded, rows, 0, "mean", out)
 
+    def flat_encode(flat, payload, own, rows):
+        [flat.encode(i, x, payload) for i, x in enumerate(xs)]
+        flat.write(payload)
+
     parts = {
         "encode, tensor by tensor (`SparseLoCoTopK.encode_sent`)":
             lambda: [comp.encode_sent(x, span.of(payload)) for x, span in zip(xs, flat.payloads)],
-        "encode, `FlatSparseLoCo` (each tensor, then the groups' bytes)":
-            lambda: ([flat.encode(i, x, payload) for i, x in enumerate(xs)], flat.write(payload)),
+        "encode, `FlatSparseLoCo` (each tensor, then the groups' bytes)": lambda: flat_encode(flat, payload, own, rows),
+        "encode, `FlatSparseLoCo`, indices Elias-Fano coded": lambda: flat_encode(*ef),
         "landing's mean of 2 rows, tensor by tensor (read, aggregate)": per_tensor_landing,
-        "landing's mean of 2 rows, `FlatSparseLoCo` (decode, each mean)": flat_landing,
+        "landing's mean of 2 rows, `FlatSparseLoCo` (decode, each mean)": lambda: flat_landing(flat, payload, own, rows),
+        "landing's mean of 2 rows, `FlatSparseLoCo`, indices Elias-Fano coded": lambda: flat_landing(*ef),
     }
     times = {name: [] for name in parts}
     for _ in range(args.rounds + 2):
@@ -149,6 +152,16 @@ def parts_table(args) -> None:
     print("\n| compressor work of a sync, all parameters, one thread (alternating, medians) | ms |\n|---|---|")
     for name, t in times.items():
         print(f"| {name} | {1e3 * statistics.median(t[2:]):.1f} |")
+
+
+def _flat_sync(comp, xs):
+    """FlatSparseLoCo over xs' shapes, one sync encoded: (it, its payload, its own rows, 2 rows)."""
+    from thinwire.compress.sparseloco_flat import FlatSparseLoCo
+    flat = FlatSparseLoCo(comp, [x.shape for x in xs], "cpu")
+    payload = torch.empty(flat.nbytes, dtype=torch.uint8)
+    own = {i: flat.encode(i, x, payload) for i, x in enumerate(xs)}
+    flat.write(payload)
+    return flat, payload, own, [payload.clone(), payload.clone()]
 
 
 def main() -> None:

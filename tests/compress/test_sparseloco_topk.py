@@ -31,10 +31,20 @@ def test_payload_size_is_the_documented_formula(values, value_bytes):
         assert comp.payload_nbytes(shape) == math.ceil(chunks * k * width / 8) + value_bytes(chunks, k)
 
 
+def test_elias_fano_payload_size_is_the_documented_formula():
+    comp = SparseLoCoTopK(32, 16, indices="elias-fano")
+    for shape, (chunks, elems, k) in {(37, 24): (6, 192, 24), (37,): (3, 16, 2), (10, 37): (3, 160, 20)}.items():
+        low = math.floor(math.log2(elems / k))
+        bitmap = k + (elems - 1) // 2 ** low + 1
+        indices = math.ceil(chunks * k * low / 8) + math.ceil(chunks * bitmap / 8)
+        assert comp.payload_nbytes(shape) == indices + 16 + math.ceil(chunks * k / 4)
+
+
 @pytest.mark.parametrize("transform", ["identity", "dct"])
-def test_round_trip_matches_a_brute_force_reference(transform):
+@pytest.mark.parametrize("indices", ["packed", "elias-fano"])
+def test_round_trip_matches_a_brute_force_reference(transform, indices):
     x = torch.randn(40, 25, generator=torch.Generator().manual_seed(3))
-    comp = SparseLoCoTopK(topk=16, chunk=8, transform=transform)
+    comp = SparseLoCoTopK(topk=16, chunk=8, transform=transform, indices=indices)
     buf = torch.empty(comp.payload_nbytes(x.shape), dtype=torch.uint8)
     comp.encode(x, buf)
     y = comp.decode(buf, x.shape)
@@ -42,6 +52,8 @@ def test_round_trip_matches_a_brute_force_reference(transform):
     coeffs = comp.coefficients(x)                                    # [chunks, h·w], chunk-major
     k = comp.k(x.shape)
     kept = torch.sort(coeffs.abs(), dim=1, descending=True, stable=True).indices[:, :k]
+    if indices == "elias-fano":
+        kept = kept.sort(dim=1).values                               # its values travel in index order
     values = coeffs.gather(1, kept)
     levels = get_codec("2bit").roundtrip(values.reshape(1, -1)).view_as(values)   # one row: the tensor
     image = torch.zeros_like(coeffs).scatter_(1, kept, levels)
@@ -55,13 +67,14 @@ def test_round_trip_matches_a_brute_force_reference(transform):
         torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("transform, shape", [("identity", (40, 24)), ("identity", (37, 24)),   # unpadded, padded
-                                              ("identity", (37,)), ("dct", (37, 24))])
-def test_encode_sent_is_what_a_receiver_decodes(transform, shape):
+@pytest.mark.parametrize("transform, shape, indices", [
+    ("identity", (40, 24), "packed"), ("identity", (37, 24), "packed"),       # unpadded, padded
+    ("identity", (37,), "packed"), ("dct", (37, 24), "packed"), ("identity", (37, 24), "elias-fano")])
+def test_encode_sent_is_what_a_receiver_decodes(transform, shape, indices):
     """The sender's own view of its message (for e' = e − Δ̂) equals the receiver's decode of
     the bytes, and the bytes equal encode()'s; sparse (positions) for 'identity'."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(5))
-    comp = SparseLoCoTopK(topk=16, chunk=8, transform=transform)
+    comp = SparseLoCoTopK(topk=16, chunk=8, transform=transform, indices=indices)
     plain, sent_bytes = (torch.empty(comp.payload_nbytes(shape), dtype=torch.uint8) for _ in range(2))
     comp.encode(x, plain)
     positions, values, read = comp.encode_sent(x, sent_bytes)
@@ -78,7 +91,8 @@ def test_encode_sent_is_what_a_receiver_decodes(transform, shape):
 
 
 @pytest.mark.parametrize("kwargs, name", [({"topk": 65}, "topk"), ({"transform": "random"}, "transform"),
-                                          ({"values": "sign"}, "values"), ({"chunk": 0}, "chunk")])
+                                          ({"values": "sign"}, "values"), ({"chunk": 0}, "chunk"),
+                                          ({"indices": "gamma"}, "indices")])
 def test_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SparseLoCoTopK(**{"topk": 8, "chunk": 8, **kwargs})
