@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-from thinwire.ops import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, largest_indices, muon_scale, orthogonalize,
+from thinwire.ops import (NS_COEFFICIENTS, NS_EPS, NS_STEPS, ascending, largest_indices, muon_scale, orthogonalize,
                           random_orthogonal)
 from thinwire.ops.select import _group_size
 
@@ -84,3 +84,14 @@ def test_largest_indices_non_float32_and_strided_inputs_match_topk():
     assert set(largest_indices(x, 5)[2].tolist()) == set(x[2].topk(5).indices.tolist())
     strided = torch.rand(50, 6).t()                             # not contiguous: the float path
     assert set(largest_indices(strided, 5)[3].tolist()) == set(strided[3].topk(5).indices.tolist())
+
+
+@pytest.mark.parametrize("rows, k, n", [(300, 32, 1024), (5, 1, 7), (4, 16, 16), (1, 3, 2 ** 31 - 1)])
+def test_ascending_sorts_every_row(rows, k, n):
+    """Flat int32 keys where rows · n fits, a row sort beyond (the last case): each row's values
+    ascending, as a per-row sorted() in Python orders them."""
+    gen = torch.Generator().manual_seed(rows)
+    idx = torch.stack([torch.randperm(min(n, 4096), generator=gen)[:k] * (n // min(n, 4096)) for _ in range(rows)])
+    out = ascending(idx, n)
+    assert out.dtype == torch.int64 and out.shape == idx.shape
+    assert out.tolist() == [sorted(row) for row in idx.tolist()]

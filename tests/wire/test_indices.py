@@ -99,10 +99,17 @@ def test_an_unknown_coding_is_a_value_error_naming_the_argument():
         index_coding("gamma", 4, 64)
 
 
-def test_flags_pack_as_pack_bits_of_width_one():
+@pytest.mark.parametrize("count", [0, 5, 8, 77, 4096])
+def test_flags_pack_as_pack_bits_of_width_one(count):
+    """Whole bytes by the multiply-gather, a tail of fewer than 8 as pack_bits does it."""
     from thinwire.wire import pack_bits
-    flags = torch.rand(77, generator=torch.Generator().manual_seed(3)) > 0.5
+    flags = torch.rand(count, generator=torch.Generator().manual_seed(3)) > 0.5
     assert torch.equal(pack_flags(flags), pack_bits(flags.long(), 1))
-    assert torch.equal(unpack_flags(pack_flags(flags), 77), flags)
+    assert torch.equal(unpack_flags(pack_flags(flags), count), flags)
+    assert torch.equal(pack_flags(torch.ones(count, dtype=torch.bool)), pack_bits(torch.ones(count, dtype=torch.long), 1))
+
+
+def test_flags_must_be_bool():
+    flags = torch.zeros(8, dtype=torch.bool)
     with pytest.raises(ValueError, match="flags must be a bool tensor"):
         pack_flags(flags.long())

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from ..ops.select import largest_indices
+from ..ops.select import ascending, largest_indices
 from ..optim.flat import Span, spans
 from ..wire import pack_bits, packed_nbytes, unpack_bits
 from ..wire.indices import pack_stream, unpack_stream
@@ -86,7 +86,7 @@ class _Group:
         torch.abs(x.view(gr, h, gc, w).permute(0, 2, 1, 3), out=mag)
         idx = largest_indices(mag.view(gr * gc, h * w), self.k)                 # [C, k]
         if self.coding.sorted:
-            idx = idx.sort(dim=-1).values                                       # each chunk's ascending
+            idx = ascending(idx, h * w)                                         # each chunk's ascending
         positions = self.positions(idx, rows).view(-1)                          # [C·k]
         # the kept values (index_select: about 2x torch.take's speed on CPU here), one row: the tensor's
         q, levels = quantize_rows(x.view(-1).index_select(0, positions).view(1, -1))

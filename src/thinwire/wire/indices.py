@@ -96,8 +96,7 @@ class EliasFanoIndices(PackedIndices):
         if rows and not bool((ones == self.k).all()):
             bad = int(ones[ones != self.k][0])
             raise ValueError(f"malformed payload: an upper-bit bitmap holds {bad} indices, expected {self.k}")
-        # the set bits of each row, ascending (nonzero is row-major): (idx_i >> L) + i   [rows, k]
-        idx = flags.nonzero()[:, 1].view(rows, self.k).sub_(self._ranks(flags.device))
+        idx = self._uppers(flags)
         idx.bitwise_left_shift_(self.low)
         if self.low:
             idx.bitwise_or_(parts[0].view(rows, self.k))
@@ -106,6 +105,21 @@ class EliasFanoIndices(PackedIndices):
         if self.k > 1 and not bool((idx[:, 1:] > idx[:, :-1]).all()):
             raise ValueError("malformed payload: a chunk's indices are not strictly ascending (an index twice)")
         return idx
+
+    def _uppers(self, flags: torch.Tensor) -> torch.Tensor:
+        """idx_i >> L of every row from its bitmap [rows, B] of exactly k ones: a one at
+        position p is the i-th of its row (i = the ones up to p, less 1) and holds p − i.
+        One scatter of every position, the zeros into a spare column k (nonzero() is 2-3x
+        slower on CPU)."""
+        rows, width = flags.shape
+        ones = flags.view(torch.uint8)                                      # [rows, B]
+        before = ones.cumsum(dim=1, dtype=torch.int32)                      # ones in [0, p]
+        value = torch.sub(torch.arange(width, dtype=torch.int32, device=flags.device), before).add_(1)   # p − i
+        # i = before − 1 at a one, k at a zero: k + one · (before − 1 − k), in int32 (where() and
+        # masked_fill_, and int64 throughout, are slower here)
+        at = before.sub_(1 + self.k).mul_(ones).add_(self.k).long()
+        out = torch.empty(rows, self.k + 1, dtype=torch.int32, device=flags.device)
+        return out.scatter_(1, at, value)[:, : self.k].long()
 
     def _ranks(self, device) -> torch.Tensor:
         if self._rank is None or self._rank.device != torch.device(device):
