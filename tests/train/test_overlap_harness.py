@@ -138,9 +138,13 @@ def test_limits_arithmetic():
     ddp = {"steps": [_step(1.0, 0.0)] * 4, "evals": evals,
            "final": {"compute_only_step_s": 0.25, "comm_stats": {"by_tag": {}}, "n_params": 1}}
     ours = {"steps": [_step(0.5, 0.2)] * 4, "evals": evals, "final": None}
-    rows = [summarize("adamw", ddp, 2.5, 0.0), summarize("demo", ours, 2.5, 0.0)]
+    probed = {"steps": [_step(0.5, 0.2)] * 4, "evals": evals,
+              "final": {"adamw_step_s": 0.2, "comm_stats": {"by_tag": {}}, "n_params": 1}}
+    rows = [summarize("adamw", ddp, 2.5, 0.0), summarize("demo", ours, 2.5, 0.0), summarize("sparseloco", probed, 2.5, 0.0)]
     assert add_limits(rows) is rows[0]
-    a, d = rows
+    a, d, s = rows
+    assert d["ratio_to_dense_limit_here"] is None                                # no AdamW step timed in its run
+    assert s["ratio_to_dense_limit_here"] == pytest.approx(2.0 / (4 * 0.2))      # 4 x 0.5 s / (AdamW's 4 steps x 0.2 s)
     assert (a["steps_to_target"], a["compute_only_step_s"], a["no_comm_limit_s"]) == (4, 0.25, 1.0)
     assert a["time_to_target_s"]["compute"] == pytest.approx(1.0)                 # calibrated compute drives models
     assert a["time_to_target_s"]["10mbit"] == pytest.approx(4 * (0.25 + 80 / 10e6))
@@ -165,6 +169,18 @@ def test_rows_carry_the_limit(runs):
     assert limit == pytest.approx(rows["adamw"]["steps_to_target"] * rows["adamw"]["compute_only_step_s"])
     final = logs["adamw"]["final"][0]
     assert rows["adamw"]["compute_only_step_s"] == final["compute_only_step_s"] > 0
+    calibration = final["calibration"]                                   # before and after training, the smaller kept
+    assert final["compute_only_step_s"] == min(calibration["before_s"], calibration["after_s"])
+    assert rows["adamw"]["ratio_to_dense_limit_here"] is None           # DDP calibrates its own step instead
+    for name, row in rows.items():
+        probe = logs[name]["final"][0].get("adamw_probe")
+        assert (probe is None) == ("calibration" in logs[name]["final"][0]), name     # one or the other
+        if probe is None:
+            continue
+        assert row["adamw_step_s"] == min(probe["before_s"], probe["after_s"]) > 0, name
+        measured = row["time_to_target_s"]["measured"]
+        here = rows["adamw"]["steps_to_target"] * row["adamw_step_s"]
+        assert row["ratio_to_dense_limit_here"] == (None if measured is None else pytest.approx(measured / here)), name
     for name, row in rows.items():
         assert row["dense_limit_s"] == limit and row["dense_limit_of"] == "adamw"
         measured = row["time_to_target_s"]["measured"]

@@ -15,20 +15,18 @@ every bucket's all-reduce block backward and kill the overlap. The loop calls
 
 Compute-only time. DDP's wait for its all-reduces happens inside the autograd engine, so
 the loop cannot time it apart (timing.BLOCKED stays 0 for DDP runs). `compute_only_step_s`
-measures it directly instead: before training, a few steps under `ddp.no_sync()` (no
-all-reduce is issued: forward, backward and the optimizer step are all that runs), timed
-one by one; the first is a warm-up and dropped, the median of the rest is the run's
-compute-only s/step. The model's parameters and the optimizer's state are saved before and
-restored after (gradients reset to None), so the run that follows is exactly the run
-without calibration (tested).
+measures it directly instead: a few steps under `ddp.no_sync()` (no all-reduce is issued:
+forward, backward and the optimizer step are all that runs), timed one by one; the first is
+a warm-up and dropped, the median of the rest is the compute-only s/step. The worker takes it
+before training and after (`probe.py`: the smaller is the run's). The model's parameters and
+the optimizer's state are saved before and restored after (gradients reset to None), under a
+forked RNG, so the run is exactly the run without calibration (tested).
 """
 
 from __future__ import annotations
 
 import copy
-import statistics
 import threading
-import time
 
 import torch
 import torch.distributed as dist
@@ -36,10 +34,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm import CommStats, link_bytes
-
-# Timed steps without communication; the first is dropped. 21: on the shared 2-core machine the
-# median of 5 moved between 0.031 and 0.045 s on `wan` from run to run (a +-18 % limit).
-CALIBRATION_STEPS = 21
+from .probe import CALIBRATION_STEPS, Batches, median_step_s, without_rng
 
 
 class _HookState:
@@ -67,27 +62,22 @@ def ddp_dense(model: torch.nn.Module, process_group=None) -> tuple[DistributedDa
     return ddp, stats
 
 
-def compute_only_step_s(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer, batches,
+def compute_only_step_s(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer, batches: Batches,
                         steps: int = CALIBRATION_STEPS) -> float:
     """Median wall time of a training step with communication off (see the module docstring).
-    `batches(i)` -> (x, y) of calibration step i. Parameters and optimizer state restored."""
+    `batches(i)` -> (x, y) of calibration step i. Parameters, optimizer state and RNG restored."""
     module = ddp.module
     saved_params = {k: v.detach().clone() for k, v in module.state_dict().items()}
     saved_opt = copy.deepcopy(optimizer.state_dict())
-    times = []
-    for i in range(steps):
-        x, y = batches(i)
-        t0 = time.perf_counter()
+
+    def step(x, y):
         with ddp.no_sync():
-            loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
-            loss.backward()
+            F.cross_entropy(ddp(x).flatten(0, 1), y.flatten()).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    seconds = without_rng(lambda: median_step_s(step, batches, steps), module)
     with torch.no_grad():
         module.load_state_dict(saved_params)
     optimizer.load_state_dict(saved_opt)
     optimizer.zero_grad(set_to_none=True)
-    return statistics.median(times[1:] if len(times) > 1 else times)
+    return seconds

@@ -16,7 +16,11 @@ target defaults to the dense baseline's final loss x 1.02.
 The physical limit (`add_limits`): a run's no-communication limit is the steps it needed to
 reach the target times its own compute-only s/step; every row also gets dense AdamW's limit
 and its measured time to target divided by it: how close it comes to training as if the
-network were free.
+network were free. A DDP run's compute-only s/step is the smaller of two calibrations, before
+and after training (`probe.py`). Every other single-tier run also timed dense AdamW's step in
+its own processes (`adamw_step_s`), so its row also gets `ratio_to_dense_limit_here`: its
+time over AdamW's steps to target x that step. It leaves out the machine's drift between the two
+runs (minutes apart), which on a shared CPU can be larger than the gap being measured.
 
 Under `--sites` the link is a site's: its ranks share it, so the link bytes of a step are
 the busiest site's sum over its ranks (the log's final `tiers` record), compute_s excludes
@@ -105,6 +109,7 @@ def summarize(optimizer: str, log: dict, target: float, latency_s: float, link: 
         "compute_time_s": mean("step_s") - mean("comm_s"),
         # the physical limit: compute-only s/step, and the steps to target at that rate
         "compute_only_step_s": compute_only,
+        "adamw_step_s": (log["final"] or {}).get("adamw_step_s"),       # dense AdamW's, probed in this run
         "compute_only_source": "calibrated: steps under DDP no_sync()" if calibrated is not None
                                else "step time - time blocked in collectives",
         "steps_to_target": hit,
@@ -132,7 +137,9 @@ def add_limits(rows: list[dict], dense: tuple[str, ...] = ("adamw", "adamw-allre
     """Every row gets dense AdamW's no-communication limit (`dense_limit_s`: its steps to target
     x its compute-only s/step; the first of the names `dense` that ran: DDP AdamW, else
     DenseAllReduce AdamW) and `ratio_to_dense_limit` = its measured time to target / that limit (None when
-    either is missing). Returns the reference row (None when it did not run)."""
+    either is missing); a row that probed AdamW's step in its own run (`adamw_step_s`) also gets
+    `ratio_to_dense_limit_here` = its time / (AdamW's steps to target x that step). Returns the
+    reference row (None when it did not run)."""
     ref = next((r for name in dense for r in rows if r["optimizer"] == name), None)
     limit = ref["no_comm_limit_s"] if ref else None
     for r in rows:
@@ -140,6 +147,9 @@ def add_limits(rows: list[dict], dense: tuple[str, ...] = ("adamw", "adamw-allre
         r["dense_limit_s"] = limit
         r["dense_limit_of"] = ref["optimizer"] if ref else None
         r["ratio_to_dense_limit"] = None if (limit is None or measured is None or not limit) else measured / limit
+        here = None if ref is None or ref["steps_to_target"] is None or not r.get("adamw_step_s") \
+            else ref["steps_to_target"] * r["adamw_step_s"]
+        r["ratio_to_dense_limit_here"] = None if (here is None or measured is None) else measured / here
     return ref
 
 
@@ -245,18 +255,22 @@ def _limits_table(rows: list[dict]) -> str:
     """Against the physical limit: compute-only step time, the no-communication limit (steps
     to target x compute-only s/step) and measured time to target over dense AdamW's limit."""
     lines = ["| optimizer | overlap | step s | compute-only s/step | steps to target | no-comm limit s | "
-             "to target: measured s | x dense AdamW's limit |", "|" + "---|" * 8]
+             "to target: measured s | x dense AdamW's limit | x that limit, AdamW's step timed in this run |",
+             "|" + "---|" * 9]
     for r in rows:
         steps = "never" if r.get("steps_to_target") is None else str(r["steps_to_target"])
         lines.append(f"| {r['optimizer']} | {'yes' if r.get('overlap') else 'no'} | {r['step_time_s']:.3f} | "
                      f"{r['compute_only_step_s']:.3f} | {steps} | {_t(r.get('no_comm_limit_s'))} | "
-                     f"{_t(r['time_to_target_s']['measured'])} | {_x(r.get('ratio_to_dense_limit'))} |")
+                     f"{_t(r['time_to_target_s']['measured'])} | {_x(r.get('ratio_to_dense_limit'))} | "
+                     f"{_x(r.get('ratio_to_dense_limit_here'))} |")
     ref = next((r for r in rows if r.get("dense_limit_of")), None)
     if ref is not None and ref["dense_limit_s"] is not None:
         lines.append(f"\nDense AdamW's no-communication limit: {ref['dense_limit_s']:.1f} s ({ref['dense_limit_of']}). "
-                     f"Compute-only s/step: DDP runs measured before training with communication off "
-                     f"(no_sync); others step time - time blocked in collectives (with overlap, the wait "
-                     f"in the next step).")
+                     f"Compute-only s/step: DDP runs measured with communication off (no_sync), the "
+                     f"smaller of before and after training; others step time - time blocked in "
+                     f"collectives (with overlap, the wait in the next step). The last column divides by "
+                     f"AdamW's steps to target x AdamW's step timed in the row's own processes, free of "
+                     f"the machine's drift between runs.")
     else:
         lines.append("\nDense AdamW (adamw) did not run or did not reach the target: no ratio to its limit.")
     return "\n".join(lines)

@@ -10,8 +10,10 @@ timing every collective call and wait (timing.py; PowerSGD's waits too, powersgd
 Validation (every `eval_every` steps and at the end) runs outside the timed region; its
 loss is averaged over ranks with an uncounted harness all-reduce. Rank 0 writes one JSON
 line per step and per evaluation to `log_path`, and a final record with the optimizer's
-own cumulative comm stats, its state's bytes on this rank and (flat layout) whether every
-rank ends with bit-identical parameters.
+own cumulative comm stats, its state's bytes on this rank, (flat layout) whether every
+rank ends with bit-identical parameters, and the compute-only steps timed before and after
+training (probe.py): a DDP run's own (`calibration`), any other single-tier run's dense
+AdamW step on a copy of the model (`adamw_probe`).
 
 Under `--sites` (cfg.sites, train/sites.py) the model is FSDP2-sharded inside each site and
 the step's bytes are the inter-site ones; each step record adds FSDP2's intra-site bytes
@@ -38,6 +40,7 @@ from .data import load_corpus, train_batch, val_starts, windows
 from .elastic import process_started, resume_from
 from .model import build_model
 from .optimizers import get_optimizer
+from .probe import adamw_step_s, calibrate
 from .progress import Progress
 from .sites import Tiers, optimizer_state_bytes, setup, site_sums
 from .timing import BLOCKED, install
@@ -111,6 +114,16 @@ def _timed_step(built, sched, x, y, fsdp=None, last: bool = False) -> dict:
             **(_record(fsdp.intra, "intra_") if fsdp is not None else {})}
 
 
+def _probes(built, model, lr: float, batches, tiers) -> dict:
+    """The compute-only steps this run times (`probe.py`): a DDP run's own under no_sync();
+    dense AdamW's on a copy of the model for any other single-tier run; nothing across sites."""
+    if built.calibrate is not None:
+        return {"calibration": built.calibrate(batches)}
+    if tiers is None:
+        return {"adamw_probe": adamw_step_s(model, lr, batches)}
+    return {}
+
+
 def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path: str | None,
                  options: RunOptions, started: float | None = None) -> None:
     """Train `cfg`'s model with `optimizer` at base `lr` on this rank; rank 0 logs to `log_path`.
@@ -154,9 +167,8 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
         if not done:
             val = evaluate(model, val_ids, starts, cfg, rank, world)
             _write(log, {"kind": "eval", "step": 0, "val_loss": val})
-        compute_only = None                         # DDP: compute-only s/step, communication off (ddp.py)
-        if built.calibrate is not None:
-            compute_only = built.calibrate(lambda i: tuple(t.to(device) for t in train_batch(train_ids, cfg, i, rank, world)))
+        batches = lambda i: tuple(t.to(device) for t in train_batch(train_ids, cfg, i, rank, world))  # noqa: E731
+        before = _probes(built, model, lr, batches, tiers)    # compute-only steps, before and after (probe.py)
         for step in range(done + 1, cfg.steps + 1):
             _maybe_die(rank, step)
             x, y = (t.to(device) for t in train_batch(train_ids, cfg, step - 1, rank, world))
@@ -175,6 +187,8 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
             if checkpoint_dir and ((checkpoint_every and step % checkpoint_every == 0) or step == cfg.steps):
                 save(checkpoint_dir, step, model, built, sched, meta, rank, extra={"inter_steps": inter_steps})
             _pace()
+        probes = {name: calibrate(t, after) for (name, t), after in
+                  zip(before.items(), _probes(built, model, lr, batches, tiers).values())}
         if done >= cfg.steps:                      # resumed at the end: the final evaluation again
             val = evaluate(model, val_ids, starts, cfg, rank, world)
         if resumed is not None:                    # no step left to take
@@ -182,8 +196,10 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
         state_bytes = optimizer_state_bytes(built.optimizer)
         final = {"kind": "final", "comm_stats": built.stats.state_dict(), "val_loss": val,
                  "n_params": sum(p.numel() for p in model.parameters()), "optimizer_state_bytes": state_bytes}
-        if compute_only is not None:
-            final["compute_only_step_s"] = compute_only
+        if "calibration" in probes:                # DDP: its own compute-only s/step, communication off
+            final["compute_only_step_s"], final["calibration"] = probes["calibration"]["step_s"], probes["calibration"]
+        if "adamw_probe" in probes:                # any other run: dense AdamW's step in these processes
+            final["adamw_step_s"], final["adamw_probe"] = probes["adamw_probe"]["step_s"], probes["adamw_probe"]
         if tiers is not None:
             final["tiers"] = _gather_tiers(tiers, world, state_bytes, inter_steps)
         else:

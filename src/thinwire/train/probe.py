@@ -1,0 +1,79 @@
+"""Compute-only step times taken in the run's own processes, before training and after it.
+
+A run's ratio to dense AdamW's no-communication limit divides its time to target by AdamW's
+steps to target × AdamW's compute-only s/step. Two things made that second factor drift on the
+shared 2-core machine, and with it every ratio:
+  * the first seconds of a process: DDP's calibration before training read 42.8 ms on rank 0
+    where the same calibration after training read 34.3 ms (`wan`, seed 0; rank 1: 34.9 / 36.1);
+  * the machine's speed from one run to the next, minutes apart: AdamW's calibrated step moved
+    between 33 and 66 ms over a series of runs, while a run's own local steps took 33-36 ms.
+So the harness times a compute-only step twice, before the first step and after the last, and
+keeps the smaller median (`calibrate`): the step as fast as it runs here, which is what a limit
+is. A DDP run calibrates its own step that way (`ddp.compute_only_step_s`, under no_sync()).
+Every other single-tier run also times dense AdamW's step itself (`adamw_step_s`: forward,
+backward and torch AdamW with the DDP baseline's hyperparameters, on a copy of the model; with
+communication off DDP is its module), so `report.add_limits` can divide the run's time by
+AdamW's steps × AdamW's step in the same processes, at the same time.
+
+Neither touches the run: the DDP calibration restores parameters and optimizer state; the
+AdamW probe works on a copy, and both run under a forked RNG, so a run with them is the run
+without them, bit for bit (tested).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+# Timed steps without communication; the first is dropped. 21: on the shared 2-core machine the
+# median of 5 moved between 0.031 and 0.045 s on `wan` from run to run (a +-18 % limit).
+CALIBRATION_STEPS = 21
+
+Batches = Callable[[int], tuple[torch.Tensor, torch.Tensor]]   # calibration step i -> (x, y)
+
+
+def median_step_s(step: Callable[[torch.Tensor, torch.Tensor], None], batches: Batches,
+                  steps: int = CALIBRATION_STEPS) -> float:
+    """Median wall time of `step(x, y)` over `steps` calls (the first, a warm-up, dropped)."""
+    times = []
+    for i in range(steps):
+        x, y = batches(i)
+        t0 = time.perf_counter()
+        step(x, y)
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:] if len(times) > 1 else times)
+
+
+def adamw_step_s(model: torch.nn.Module, lr: float, batches: Batches, steps: int = CALIBRATION_STEPS) -> float:
+    """Dense AdamW's compute-only s/step on a copy of `model`: forward, backward, torch AdamW
+    (betas 0.9 / 0.95, weight decay 0.1, the DDP baseline's), median of `steps`."""
+    replica = copy.deepcopy(model)
+    for p in replica.parameters():
+        p.grad = None
+    optimizer = torch.optim.AdamW(replica.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def step(x, y):
+        F.cross_entropy(replica(x).flatten(0, 1), y.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    return without_rng(lambda: median_step_s(step, batches, steps), model)
+
+
+def without_rng(measure: Callable[[], float], model: torch.nn.Module) -> float:
+    """measure() under a forked RNG (CPU, and the model's CUDA device if it has one)."""
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
+    with torch.random.fork_rng(devices=devices):
+        return measure()
+
+
+def calibrate(before: float | None, after: float | None) -> dict:
+    """The record of two timings of one step: both, and the smaller (None when not taken)."""
+    taken = [t for t in (before, after) if t is not None]
+    return {"before_s": before, "after_s": after, "step_s": min(taken) if taken else None}
