@@ -470,3 +470,22 @@ def test_the_eager_scale_is_where_the_in_flight_steps_start(outcome):
     _, ranks = outcome
     for r in ranks:
         assert not torch.equal(r["scaled"]["final"], r[f"delay{H}"]["final"])
+
+
+def test_a_sync_in_flight_does_not_resume_under_another_index_coding():
+    """One process: a checkpoint with a packed sync in flight, loaded into an Elias-Fano
+    SparseLoCo, is refused when it would be sent again (its bytes are another coding's), and
+    naming both sizes rather than decoding them as the other coding."""
+    model = problem.make_model()
+    opt = _sparseloco(list(model.parameters()), overlap=True, delay=H)
+    for step in range(H):                                       # the H-th step syncs: in flight
+        problem.loss_on(model, *problem.batch(0, step)).backward()
+        opt.step()
+        opt.zero_grad()
+    saved = copy.deepcopy(opt.state_dict())
+    fresh = problem.make_model()
+    other = _sparseloco(list(fresh.parameters()), overlap=True, delay=H, indices="elias-fano")
+    other.load_state_dict(saved)
+    problem.loss_on(fresh, *problem.batch(0, H)).backward()
+    with pytest.raises(ValueError, match=f"step in flight holds buffers of \\[\\({SYNC_BYTES},\\)\\]"):
+        other.step()
