@@ -10,12 +10,14 @@ kept values and the bytes is done once for a group of tensors that share a chunk
 (h, w, k), are unpadded, and take 'identity' top-k with '2bit' values (a model's matrices
 usually form one group, its vectors another):
 
-    encode   every member's chunk-local indices and codes kept in [G, k] buffers (G: the
-             group's chunks), then one `pack_bits` of the indices and one of the codes when
-             every member's share ends on a byte (else one per member), copied into each
-             member's payload beside its 16 level bytes
-    read     one `unpack_bits` of each (or one per member), one check of the indices and of
-             the decoded values, the flat positions of every chunk's values at once
+    encode   every member's chunk-local indices (each chunk's ascending for 'elias-fano') and
+             codes kept in [G, k] buffers (G: the group's chunks), then one packing of each of
+             the indices' bit streams (`thinwire.wire.indices`: one for 'packed'; lows and
+             bitmaps for 'elias-fano') and one of the codes when every member's share of each
+             ends on a byte (else one per member), copied into each member's payload beside
+             its 16 level bytes
+    read     one unpacking of each (or one per member), one check of the indices and of the
+             decoded values, the flat positions of every chunk's values at once
 
 Any other tensor (padded, 'dct', other value formats) is encoded and averaged by
 `SparseLoCoTopK` on its own.
