@@ -14,7 +14,7 @@ def test_the_adamw_probe_touches_neither_the_model_nor_the_rng():
     before = [p.detach().clone() for p in model.parameters()]
     rng = torch.get_rng_state()
     batches = lambda i: (torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(i)),) * 2  # noqa: E731
-    seconds = adamw_step_s(model, 1e-2, batches, steps=3)
+    seconds = adamw_step_s(model, lambda ps: torch.optim.AdamW(ps, lr=1e-2), batches, steps=3)
     assert seconds > 0
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())

@@ -100,8 +100,8 @@ class _Group:
         """Every member's indices, levels and codes into its payload span."""
         level_bytes = self.levels.view(torch.uint8).view(-1, LEVEL_BYTES)
         if self.aligned:
-            index_streams = [pack_stream(part, bits, _bytes(packed_nbytes(part.numel(), bits), payload.device))
-                             for part, (_, bits, _) in zip(self.coding.split(self.idx), self.coding.streams)]
+            index_streams = [pack_stream(part, bits) for part, (_, bits, _) in zip(self.coding.split(self.idx),
+                                                                                    self.coding.streams)]
             code_stream = pack_bits(self.codes, 2)
         for j, span in enumerate(self.payloads):
             out, ni = span.of(payload), self.index_bytes[j]
@@ -145,10 +145,6 @@ def _stream_parts(index_parts: list[torch.Tensor], s: int, sizes: list[list[int]
     return [part[sum(sizes_j[:s]): sum(sizes_j[: s + 1])] for part, sizes_j in zip(index_parts, zip(*sizes))]
 
 
-def _bytes(n: int, device) -> torch.Tensor:
-    return torch.empty(n, dtype=torch.uint8, device=device)
-
-
 class FlatSparseLoCo:
     """`SparseLoCoTopK` over the tensors of these shapes, their payloads end to end in one
     uint8 buffer (the module docstring). A sync: `encode(i, ...)` for every tensor, then
@@ -170,7 +166,6 @@ class FlatSparseLoCo:
             self.groups.append(group)
             self.place.update({i: (group, j) for j, i in enumerate(members)})
         self.alone = [i for i in range(len(self.shapes)) if i not in self.place]
-        self._scratch: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -182,7 +177,7 @@ class FlatSparseLoCo:
         if i not in self.place:
             return self.compressor.encode_sent(x, self.payloads[i].of(payload), step)
         group, j = self.place[i]
-        return group.encode(j, x, self._buffer(x.numel(), x.device))
+        return group.encode(j, x, self.compressor.scratch(x.numel(), x.device))
 
     def write(self, payload: torch.Tensor) -> None:
         """The grouped tensors' bytes, after every one of them was encoded."""
@@ -214,7 +209,7 @@ class FlatSparseLoCo:
             flat.index_add_(0, *mine[i])
         if mode == "mean":
             return out.div_(len(decoded))
-        counts = self._buffer(flat.numel(), flat.device)[: flat.numel()].zero_()
+        counts = self.compressor.scratch(flat.numel(), flat.device)[: flat.numel()].zero_()
         for mine in decoded:
             counts.index_add_(0, mine[i][0], torch.ones_like(mine[i][1]))
         return out.div_(counts.clamp_(min=1).view(out.shape))
@@ -226,8 +221,3 @@ class FlatSparseLoCo:
         padded = comp.plan(shape).padded_numel
         buf = comp.scratch(2 * padded, reads[0][1].device)
         return comp.aggregate(reads, shape, step, mode, out=buf[:padded], scratch=buf[padded:])
-
-    def _buffer(self, numel: int, device) -> torch.Tensor:
-        if self._scratch is None or self._scratch.numel() < numel or self._scratch.device != torch.device(device):
-            self._scratch = torch.empty(numel, dtype=torch.float32, device=device)
-        return self._scratch

@@ -23,7 +23,7 @@ import torch
 
 from ..ops.select import ascending, largest_indices
 from ..wire import get_codec, index_coding
-from ..wire.indices import PackedIndices
+from ..wire.indices import PackedIndices, check_index_coding
 from .chunking import ChunkPlan
 from .payload import Payload, PayloadSpec, check_buffer
 from .transforms import ChunkTransform
@@ -54,7 +54,7 @@ class ChunkedTopK:
         self.topk, self.chunk = int(topk), int(chunk)
         self.transform = ChunkTransform(transform, seed)
         self.codec = get_codec(values)
-        self.indices = index_coding(indices, 1, 1).name                  # ValueError for an unknown coding
+        self.indices = check_index_coding(indices)
         self._codings: dict[tuple[int, int], PackedIndices] = {}
         self._plans: dict[tuple[int, ...], ChunkPlan] = {}
         self._origins: dict[tuple, torch.Tensor] = {}

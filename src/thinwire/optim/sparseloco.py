@@ -31,7 +31,8 @@ k = max(1, round(E · topk / chunk²)) (≤ E) kept per chunk,
 
 (indices='elias-fano': ceil(C k L / 8) + ceil(C (k + ((E − 1) >> L) + 1) / 8) bytes of indices,
 L = floor(log2(E / k)), each chunk's ascending and its values in that order;
-`thinwire.wire.indices`), so bytes per sync = 8 + ceil(P / 8) + Σ_params (indices + values), and nothing on local steps.
+`thinwire.wire.indices`), so bytes per sync = 8 + ceil(P / 8) + Σ_params (indices + values), and
+nothing on local steps.
 The sync computes them with `FlatSparseLoCo` (the same bytes as `SparseLoCoTopK` tensor by
 tensor): each parameter's Δ, e, top-k, values, e' and eager jump one after the other while it is
 in cache, the packing and, at the landing, the reading batched over parameters of one chunk shape.
@@ -178,9 +179,10 @@ class SparseLoCo(DiLoCo):
     kind = "sparseloco"
 
     def __init__(self, params, inner=None, sync_every: int = 15, topk: int = 128, chunk: int = 64,
-                 values: str = "2bit", transform: str = "identity", indices: str = "packed", error_decay: float = 0.95, outer_lr: float = 1.0,
-                 aggregate: str = "mean", nonfinite: str = "raise", process_group=None, overlap: bool = False,
-                 delay: int = 1, eager: bool = True, eager_scale: float = 1.0):
+                 values: str = "2bit", transform: str = "identity", indices: str = "packed",
+                 error_decay: float = 0.95, outer_lr: float = 1.0, aggregate: str = "mean", nonfinite: str = "raise",
+                 process_group=None, overlap: bool = False, delay: int = 1, eager: bool = True,
+                 eager_scale: float = 1.0):
         check_sync_every(sync_every)
         self.compressor = _check(topk, chunk, values, transform, indices, error_decay, outer_lr, aggregate)
         if not isinstance(eager, bool):
@@ -197,8 +199,8 @@ class SparseLoCo(DiLoCo):
     def _describe(self, layout: list[Member]) -> str:
         c = self.compressor
         head = (f"{self.kind} world_size={self.comm.world_size} K={self.sync_every} topk={c.topk} chunk={c.chunk} "
-                f"values={c.codec.name} indices={c.indices} transform={c.transform.kind} beta={self.error_decay} alpha={self.outer_lr} "
-                f"aggregate={self.aggregate} delay={self.delay}")
+                f"values={c.codec.name} indices={c.indices} transform={c.transform.kind} beta={self.error_decay} "
+                f"alpha={self.outer_lr} aggregate={self.aggregate} delay={self.delay}")
         return "\n".join([head, *(f"{tuple(p.shape)} {p.dtype}" for _, p, _ in layout)])
 
     def _exchange(self, step: int, layout: list[Member]):

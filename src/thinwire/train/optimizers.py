@@ -124,7 +124,8 @@ def _ov(cfg) -> bool:
     return bool(getattr(cfg, "overlap", False))
 
 
-def _torch_adamw(params, cfg, lr):
+def torch_adamw(params, cfg, lr):
+    """The dense baseline's torch AdamW (and the inner optimizer of the local-step methods)."""
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
@@ -143,7 +144,7 @@ def _ddp(torch_opt):
 
 
 def _adamw_allreduce(model, cfg, lr, group=None):
-    return _wrap(DenseAllReduce(_torch_adamw(model.parameters(), cfg, lr), process_group=group, overlap=_ov(cfg)),
+    return _wrap(DenseAllReduce(torch_adamw(model.parameters(), cfg, lr), process_group=group, overlap=_ov(cfg)),
                  model)
 
 
@@ -227,7 +228,7 @@ def _delay(cfg, delayed: bool) -> dict:
 
 
 def _diloco(model, cfg, lr, group=None, delayed: bool = False):
-    inner = lambda ps: _torch_adamw(ps, cfg, lr)  # noqa: E731
+    inner = lambda ps: torch_adamw(ps, cfg, lr)  # noqa: E731
     return _wrap(DiLoCo(model.parameters(), inner=inner, sync_every=cfg.sync_every, process_group=group,
                         outer_lr=cfg.diloco_outer_lr, outer_momentum=cfg.diloco_outer_momentum,
                         **_delay(cfg, delayed)), model, replicas_drift=True)
@@ -241,7 +242,7 @@ def _sparseloco(model, cfg, lr, group=None, delayed: bool = False):
     with DiLoCo at the same sync interval. The tiny preset's matrices are [256|192|64|32, 64] and
     [64, 256]: 64 x 64 chunks (wpe's 32 x 64 keeps 64, a norm's 64 keeps 2), the same 3.1 %
     everywhere."""
-    inner = lambda ps: _torch_adamw(ps, cfg, lr)  # noqa: E731
+    inner = lambda ps: torch_adamw(ps, cfg, lr)  # noqa: E731
     return _wrap(SparseLoCo(model.parameters(), inner=inner, sync_every=cfg.sync_every, process_group=group,
                             topk=cfg.sparseloco_topk, chunk=cfg.sparseloco_chunk, values=cfg.sparseloco_values,
                             indices=cfg.sparseloco_indices, error_decay=cfg.sparseloco_error_decay, outer_lr=cfg.sparseloco_outer_lr,
@@ -270,9 +271,9 @@ def _ddp_overlaps_itself(name: str) -> str:
             f"{name}-allreduce, thinwire's DenseAllReduce, takes --overlap)")
 
 
-register(OptimizerSpec("adamw", _ddp(_torch_adamw), dict(_DENSE_LR), dense=True,
+register(OptimizerSpec("adamw", _ddp(torch_adamw), dict(_DENSE_LR), dense=True,
                        description="torch DDP (fp32 bucketed all-reduce overlapped with backward) + AdamW",
-                       hsdp=_torch_adamw, why_no_overlap=_ddp_overlaps_itself("adamw")))
+                       hsdp=torch_adamw, why_no_overlap=_ddp_overlaps_itself("adamw")))
 register(OptimizerSpec("adam", _ddp(_torch_adam), dict(_DENSE_LR), dense=True,
                        description="torch DDP (fp32 bucketed all-reduce overlapped with backward) + Adam",
                        counterpart="adam", hsdp=_torch_adam, why_no_overlap=_ddp_overlaps_itself("adam")))

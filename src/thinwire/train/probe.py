@@ -51,13 +51,13 @@ def median_step_s(step: Callable[[torch.Tensor, torch.Tensor], None], batches: B
     return statistics.median(times[1:] if len(times) > 1 else times)
 
 
-def adamw_step_s(model: torch.nn.Module, lr: float, batches: Batches, steps: int = CALIBRATION_STEPS) -> float:
-    """Dense AdamW's compute-only s/step on a copy of `model`: forward, backward, torch AdamW
-    (betas 0.9 / 0.95, weight decay 0.1, the DDP baseline's), median of `steps`."""
+def adamw_step_s(model: torch.nn.Module, adamw: Callable, batches: Batches, steps: int = CALIBRATION_STEPS) -> float:
+    """Dense AdamW's compute-only s/step on a copy of `model`: forward, backward and the step of
+    `adamw(params)` (the DDP baseline's torch AdamW, `optimizers.torch_adamw`), median of `steps`."""
     replica = copy.deepcopy(model)
     for p in replica.parameters():
         p.grad = None
-    optimizer = torch.optim.AdamW(replica.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = adamw(replica.parameters())
 
     def step(x, y):
         F.cross_entropy(replica(x).flatten(0, 1), y.flatten()).backward()

@@ -39,7 +39,7 @@ from .config import RunOptions
 from .data import load_corpus, train_batch, val_starts, windows
 from .elastic import process_started, resume_from
 from .model import build_model
-from .optimizers import get_optimizer
+from .optimizers import get_optimizer, torch_adamw
 from .probe import adamw_step_s, calibrate
 from .progress import Progress
 from .sites import Tiers, optimizer_state_bytes, setup, site_sums
@@ -114,13 +114,17 @@ def _timed_step(built, sched, x, y, fsdp=None, last: bool = False) -> dict:
             **(_record(fsdp.intra, "intra_") if fsdp is not None else {})}
 
 
-def _probes(built, model, lr: float, batches, tiers) -> dict:
+# a probe's record in the final log -> the field that takes its smaller timing
+PROBE_FIELDS = {"calibration": "compute_only_step_s", "adamw_probe": "adamw_step_s"}
+
+
+def _probes(built, model, cfg, lr: float, batches, tiers) -> dict:
     """The compute-only steps this run times (`probe.py`): a DDP run's own under no_sync();
     dense AdamW's on a copy of the model for any other single-tier run; nothing across sites."""
     if built.calibrate is not None:
         return {"calibration": built.calibrate(batches)}
     if tiers is None:
-        return {"adamw_probe": adamw_step_s(model, lr, batches)}
+        return {"adamw_probe": adamw_step_s(model, lambda ps: torch_adamw(ps, cfg, lr), batches)}
     return {}
 
 
@@ -168,7 +172,7 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
             val = evaluate(model, val_ids, starts, cfg, rank, world)
             _write(log, {"kind": "eval", "step": 0, "val_loss": val})
         batches = lambda i: tuple(t.to(device) for t in train_batch(train_ids, cfg, i, rank, world))  # noqa: E731
-        before = _probes(built, model, lr, batches, tiers)    # compute-only steps, before and after (probe.py)
+        before = _probes(built, model, cfg, lr, batches, tiers)    # compute-only steps, before and after (probe.py)
         for step in range(done + 1, cfg.steps + 1):
             _maybe_die(rank, step)
             x, y = (t.to(device) for t in train_batch(train_ids, cfg, step - 1, rank, world))
@@ -187,8 +191,8 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
             if checkpoint_dir and ((checkpoint_every and step % checkpoint_every == 0) or step == cfg.steps):
                 save(checkpoint_dir, step, model, built, sched, meta, rank, extra={"inter_steps": inter_steps})
             _pace()
-        probes = {name: calibrate(t, after) for (name, t), after in
-                  zip(before.items(), _probes(built, model, lr, batches, tiers).values())}
+        after = _probes(built, model, cfg, lr, batches, tiers)
+        probes = {name: calibrate(before[name], after[name]) for name in before}
         if done >= cfg.steps:                      # resumed at the end: the final evaluation again
             val = evaluate(model, val_ids, starts, cfg, rank, world)
         if resumed is not None:                    # no step left to take
@@ -196,10 +200,8 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
         state_bytes = optimizer_state_bytes(built.optimizer)
         final = {"kind": "final", "comm_stats": built.stats.state_dict(), "val_loss": val,
                  "n_params": sum(p.numel() for p in model.parameters()), "optimizer_state_bytes": state_bytes}
-        if "calibration" in probes:                # DDP: its own compute-only s/step, communication off
-            final["compute_only_step_s"], final["calibration"] = probes["calibration"]["step_s"], probes["calibration"]
-        if "adamw_probe" in probes:                # any other run: dense AdamW's step in these processes
-            final["adamw_step_s"], final["adamw_probe"] = probes["adamw_probe"]["step_s"], probes["adamw_probe"]
+        for name, record in probes.items():       # DDP's own compute-only step, or dense AdamW's here
+            final[name], final[PROBE_FIELDS[name]] = record, record["step_s"]
         if tiers is not None:
             final["tiers"] = _gather_tiers(tiers, world, state_bytes, inter_steps)
         else:

@@ -228,10 +228,7 @@ def pack_signs(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
     bit = 1 where x >= 0, so 0.0 and -0.0 code as +1; NaN compares false and codes as 0
     (negative). Returns (or fills `out` with) packed_nbytes(x.numel(), 1) bytes.
     """
-    bits = (x.reshape(-1) >= 0).view(torch.uint8)  # bool is stored as one 0/1 byte
-    out = _check_out(out, packed_nbytes(bits.numel(), 1), x.device)
-    _pack_stream(bits, 1, out, word_bits=8)  # 8 values fit a byte: no int64 temporaries
-    return out
+    return pack_flags(x.reshape(-1) >= 0, out)
 
 
 def pack_flags(flags: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -241,6 +238,8 @@ def pack_flags(flags: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     if not isinstance(flags, torch.Tensor) or flags.dtype != torch.bool:
         raise ValueError(f"flags must be a bool tensor, got {getattr(flags, 'dtype', type(flags))}")
     bits = flags.reshape(-1).view(torch.uint8)      # bool is stored as one 0/1 byte
+    if bits.storage_offset() % 8:                   # whole bytes are read as int64 words: aligned
+        bits = bits.clone()
     out = _check_out(out, packed_nbytes(bits.numel(), 1), flags.device)
     whole = bits.numel() // 8 * 8
     if whole:

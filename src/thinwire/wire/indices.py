@@ -127,14 +127,18 @@ class EliasFanoIndices(PackedIndices):
         return self._rank
 
 
-def index_coding(name: str, k: int, n: int) -> PackedIndices:
-    """The coding `name` of k distinct indices in 0..n-1 per row (1 <= k <= n)."""
+def check_index_coding(name) -> str:
     if name not in INDEX_CODINGS:
         raise ValueError(f"indices must be one of {INDEX_CODINGS}, got {name!r}")
-    return PackedIndices(k, n) if name == "packed" else EliasFanoIndices(k, n)
+    return name
 
 
-def pack_stream(values: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tensor:
+def index_coding(name: str, k: int, n: int) -> PackedIndices:
+    """The coding `name` of k distinct indices in 0..n-1 per row (1 <= k <= n)."""
+    return PackedIndices(k, n) if check_index_coding(name) == "packed" else EliasFanoIndices(k, n)
+
+
+def pack_stream(values: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """One stream: flags (bool) one bit each, integers `bits` each."""
     return pack_flags(values, out=out) if values.dtype == torch.bool else pack_bits(values, bits, out=out)
 
