@@ -3,6 +3,7 @@ DDP (bytes counted exactly, compute-only time measured with communication off, n
 the run changed by that measurement), and the no-communication limit in every row. The
 entries run in the tiny-preset `thinwire compare` shared with two other files (shared.py)."""
 
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -145,6 +146,14 @@ def test_limits_arithmetic():
     a, d, s = rows
     assert d["ratio_to_dense_limit_here"] is None                                # no AdamW step timed in its run
     assert s["ratio_to_dense_limit_here"] == pytest.approx(2.0 / (4 * 0.2))      # 4 x 0.5 s / (AdamW's 4 steps x 0.2 s)
+    assert s["adamw_step_during_s"] is None                                      # a log without samples
+    sampled = [{"step": 0, "val_loss": 5.0}, {"step": 2, "val_loss": 3.0, "adamw_probe_s": [0.3, 0.1, 0.4]},
+               {"step": 4, "val_loss": 2.0, "adamw_probe_s": [0.5, 0.2, 0.6]}, {"step": 6, "val_loss": 1.9,
+               "adamw_probe_s": [9.0, 9.0, 9.0]}]
+    s = summarize("sparseloco", {**probed, "steps": [_step(0.5, 0.2)] * 6, "evals": sampled}, 2.5, 0.0)
+    add_limits([a, s])
+    assert s["adamw_step_during_s"] == pytest.approx(0.35)      # median of the 6 samples to its target (step 4)
+    assert s["ratio_to_dense_limit_here"] == pytest.approx(2.0 / (4 * 0.35))    # the samples, not the calibration
     assert (a["steps_to_target"], a["compute_only_step_s"], a["no_comm_limit_s"]) == (4, 0.25, 1.0)
     assert a["time_to_target_s"]["compute"] == pytest.approx(1.0)                 # calibrated compute drives models
     assert a["time_to_target_s"]["10mbit"] == pytest.approx(4 * (0.25 + 80 / 10e6))
@@ -178,8 +187,13 @@ def test_rows_carry_the_limit(runs):
         if probe is None:
             continue
         assert row["adamw_step_s"] == min(probe["before_s"], probe["after_s"]) > 0, name
-        measured = row["time_to_target_s"]["measured"]
-        here = rows["adamw"]["steps_to_target"] * row["adamw_step_s"]
+        evals = logs[name]["eval"]
+        assert "adamw_probe_s" not in evals[0], name                         # step 0: before training
+        assert all(len(e["adamw_probe_s"]) == 3 and min(e["adamw_probe_s"]) > 0 for e in evals[1:]), name
+        measured, hit = row["time_to_target_s"]["measured"], row["steps_to_target"]
+        samples = [t for e in evals[1:] if hit is None or e["step"] <= hit for t in e["adamw_probe_s"]]
+        assert row["adamw_step_during_s"] == pytest.approx(statistics.median(samples)), name
+        here = rows["adamw"]["steps_to_target"] * row["adamw_step_during_s"]
         assert row["ratio_to_dense_limit_here"] == (None if measured is None else pytest.approx(measured / here)), name
     for name, row in rows.items():
         assert row["dense_limit_s"] == limit and row["dense_limit_of"] == "adamw"

@@ -1,4 +1,5 @@
-"""Compute-only step times taken in the run's own processes, before training and after it.
+"""Compute-only step times taken in the run's own processes: before training, after it, and at
+its evaluations.
 
 A run's ratio to dense AdamW's no-communication limit divides its time to target by AdamW's
 steps to target × AdamW's compute-only s/step. Two things made that second factor drift on the
@@ -10,10 +11,14 @@ shared 2-core machine, and with it every ratio:
 So the harness times a compute-only step twice, before the first step and after the last, and
 keeps the smaller median (`calibrate`): the step as fast as it runs here, which is what a limit
 is. A DDP run calibrates its own step that way (`ddp.compute_only_step_s`, under no_sync()).
-Every other single-tier run also times dense AdamW's step itself (`adamw_step_s`: forward,
+Every other single-tier run also times dense AdamW's step itself (`AdamWProbe`: forward,
 backward and torch AdamW with the DDP baseline's hyperparameters, on a copy of the model; with
 communication off DDP is its module), so `report.add_limits` can divide the run's time by
-AdamW's steps × AdamW's step in the same processes, at the same time.
+AdamW's steps × AdamW's step in the same processes, at the same time. The two ends did not
+track a run either: its own local steps took 0.96-1.31x the step timed before and after it
+(`wan`, seven runs). So that copy also times a few steps at every evaluation
+(`AdamWProbe.sample`), and a ratio divides by their median up to the run's target
+(`step_during`).
 
 Neither touches the run: the DDP calibration restores parameters and optimizer state; the
 AdamW probe works on a copy, and both run under a forked RNG, so a run with them is the run
@@ -34,12 +39,15 @@ import torch.nn.functional as F
 # median of 5 moved between 0.031 and 0.045 s on `wan` from run to run (a +-18 % limit).
 CALIBRATION_STEPS = 21
 
+# AdamW steps timed at each evaluation after step 0 (`AdamWProbe.sample`): 3 x 24 evaluations on
+# `wan` put 72 samples through the run for about 2.5 s of probing outside its timed steps.
+SAMPLE_STEPS = 3
+
 Batches = Callable[[int], tuple[torch.Tensor, torch.Tensor]]   # calibration step i -> (x, y)
 
 
-def median_step_s(step: Callable[[torch.Tensor, torch.Tensor], None], batches: Batches,
-                  steps: int = CALIBRATION_STEPS) -> float:
-    """Median wall time of `step(x, y)` over `steps` calls (the first, a warm-up, dropped)."""
+def step_times(step: Callable[[torch.Tensor, torch.Tensor], None], batches: Batches, steps: int) -> list[float]:
+    """Wall time of each of `steps` calls of `step(x, y)` on batches 0, 1, ..."""
     times = []
     for i in range(steps):
         x, y = batches(i)
@@ -48,22 +56,55 @@ def median_step_s(step: Callable[[torch.Tensor, torch.Tensor], None], batches: B
         if x.is_cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    return times
+
+
+def median_step_s(step: Callable[[torch.Tensor, torch.Tensor], None], batches: Batches,
+                  steps: int = CALIBRATION_STEPS) -> float:
+    """Median wall time of `step(x, y)` over `steps` calls (the first, a warm-up, dropped)."""
+    times = step_times(step, batches, steps)
     return statistics.median(times[1:] if len(times) > 1 else times)
 
 
-def adamw_step_s(model: torch.nn.Module, adamw: Callable, batches: Batches, steps: int = CALIBRATION_STEPS) -> float:
-    """Dense AdamW's compute-only s/step on a copy of `model`: forward, backward and the step of
-    `adamw(params)` (the DDP baseline's torch AdamW, `optimizers.torch_adamw`), median of `steps`."""
-    replica = copy.deepcopy(model)
-    for p in replica.parameters():
-        p.grad = None
-    optimizer = adamw(replica.parameters())
+class AdamWProbe:
+    """Dense AdamW's compute-only step on a copy of `model`, kept for the run: forward, backward
+    and the step of `adamw(params)` (the DDP baseline's torch AdamW, `optimizers.torch_adamw`).
+    `median_s` times a calibration (before and after training); `sample` times a few steps
+    between two of the run's steps (at each evaluation), so the limit follows the machine's
+    speed through the run. Both run under a forked RNG and touch nothing of the run."""
 
-    def step(x, y):
-        F.cross_entropy(replica(x).flatten(0, 1), y.flatten()).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
-    return without_rng(lambda: median_step_s(step, batches, steps), model)
+    def __init__(self, model: torch.nn.Module, adamw: Callable, batches: Batches):
+        self.model, self.batches = model, batches
+        self.replica = copy.deepcopy(model)
+        for p in self.replica.parameters():
+            p.grad = None
+        self.optimizer = adamw(self.replica.parameters())
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        F.cross_entropy(self.replica(x).flatten(0, 1), y.flatten()).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def median_s(self, steps: int = CALIBRATION_STEPS) -> float:
+        """Median s/step over `steps` steps, the first (a warm-up) dropped."""
+        return without_rng(lambda: median_step_s(self._step, self.batches, steps), self.model)
+
+    def sample(self, steps: int = SAMPLE_STEPS) -> list[float]:
+        """The s of each of `steps` steps, none dropped (the run's own step after an evaluation
+        is as cold as the first of these)."""
+        return without_rng(lambda: step_times(self._step, self.batches, steps), self.model)
+
+
+def adamw_step_s(model: torch.nn.Module, adamw: Callable, batches: Batches, steps: int = CALIBRATION_STEPS) -> float:
+    """Dense AdamW's compute-only s/step on a fresh copy of `model` (`AdamWProbe.median_s`)."""
+    return AdamWProbe(model, adamw, batches).median_s(steps)
+
+
+def step_during(evals: list[dict], until_step: int | None) -> float | None:
+    """The median of the AdamW steps sampled at the evaluations up to `until_step` (every one
+    when None; `adamw_probe_s` of an eval record, worker.py), None when none was sampled."""
+    times = [t for e in evals if until_step is None or e["step"] <= until_step for t in e.get("adamw_probe_s", ())]
+    return statistics.median(times) if times else None
 
 
 def without_rng(measure: Callable[[], float], model: torch.nn.Module) -> float:

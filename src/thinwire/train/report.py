@@ -18,9 +18,11 @@ reach the target times its own compute-only s/step; every row also gets dense Ad
 and its measured time to target divided by it: how close it comes to training as if the
 network were free. A DDP run's compute-only s/step is the smaller of two calibrations, before
 and after training (`probe.py`). Every other single-tier run also timed dense AdamW's step in
-its own processes (`adamw_step_s`), so its row also gets `ratio_to_dense_limit_here`: its
-time over AdamW's steps to target x that step. It leaves out the machine's drift between the two
-runs (minutes apart), which on a shared CPU can be larger than the gap being measured.
+its own processes, before and after training (`adamw_step_s`) and at each evaluation
+(`adamw_step_during_s`, the median up to its target), so its row also gets
+`ratio_to_dense_limit_here`: its time over AdamW's steps to target x that step. It leaves out
+the machine's drift between the two runs (minutes apart) and within the run, which on a
+shared CPU can be larger than the gap being measured.
 
 Under `--sites` the link is a site's: its ranks share it, so the link bytes of a step are
 the busiest site's sum over its ranks (the log's final `tiers` record), compute_s excludes
@@ -34,6 +36,7 @@ import json
 from pathlib import Path
 
 from .config import BANDWIDTHS
+from .probe import step_during
 
 
 def read_log(path: str | Path) -> dict:
@@ -110,6 +113,7 @@ def summarize(optimizer: str, log: dict, target: float, latency_s: float, link: 
         # the physical limit: compute-only s/step, and the steps to target at that rate
         "compute_only_step_s": compute_only,
         "adamw_step_s": (log["final"] or {}).get("adamw_step_s"),       # dense AdamW's, probed in this run
+        "adamw_step_during_s": step_during(evals, hit),                  # ... and at its evaluations to target
         "compute_only_source": "calibrated: steps under DDP no_sync()" if calibrated is not None
                                else "step time - time blocked in collectives",
         "steps_to_target": hit,
@@ -137,9 +141,10 @@ def add_limits(rows: list[dict], dense: tuple[str, ...] = ("adamw", "adamw-allre
     """Every row gets dense AdamW's no-communication limit (`dense_limit_s`: its steps to target
     x its compute-only s/step; the first of the names `dense` that ran: DDP AdamW, else
     DenseAllReduce AdamW) and `ratio_to_dense_limit` = its measured time to target / that limit (None when
-    either is missing); a row that probed AdamW's step in its own run (`adamw_step_s`) also gets
-    `ratio_to_dense_limit_here` = its time / (AdamW's steps to target x that step). Returns the
-    reference row (None when it did not run)."""
+    either is missing); a row that probed AdamW's step in its own run also gets
+    `ratio_to_dense_limit_here` = its time / (AdamW's steps to target x that step): the step
+    sampled at its evaluations up to its target (`adamw_step_during_s`), else the calibration's
+    (`adamw_step_s`, a log without samples). Returns the reference row (None when it did not run)."""
     ref = next((r for name in dense for r in rows if r["optimizer"] == name), None)
     limit = ref["no_comm_limit_s"] if ref else None
     for r in rows:
@@ -147,8 +152,9 @@ def add_limits(rows: list[dict], dense: tuple[str, ...] = ("adamw", "adamw-allre
         r["dense_limit_s"] = limit
         r["dense_limit_of"] = ref["optimizer"] if ref else None
         r["ratio_to_dense_limit"] = None if (limit is None or measured is None or not limit) else measured / limit
-        here = None if ref is None or ref["steps_to_target"] is None or not r.get("adamw_step_s") \
-            else ref["steps_to_target"] * r["adamw_step_s"]
+        adamw_step = r.get("adamw_step_during_s") or r.get("adamw_step_s")
+        here = None if ref is None or ref["steps_to_target"] is None or not adamw_step \
+            else ref["steps_to_target"] * adamw_step
         r["ratio_to_dense_limit_here"] = None if (here is None or measured is None) else measured / here
     return ref
 

@@ -13,7 +13,8 @@ line per step and per evaluation to `log_path`, and a final record with the opti
 own cumulative comm stats, its state's bytes on this rank, (flat layout) whether every
 rank ends with bit-identical parameters, and the compute-only steps timed before and after
 training (probe.py): a DDP run's own (`calibration`), any other single-tier run's dense
-AdamW step on a copy of the model (`adamw_probe`).
+AdamW step on a copy of the model (`adamw_probe`). That copy also times a few AdamW steps at
+every evaluation after step 0 (the eval record's `adamw_probe_s`), outside the timed steps.
 
 Under `--sites` (cfg.sites, train/sites.py) the model is FSDP2-sharded inside each site and
 the step's bytes are the inter-site ones; each step record adds FSDP2's intra-site bytes
@@ -40,7 +41,7 @@ from .data import load_corpus, train_batch, val_starts, windows
 from .elastic import process_started, resume_from
 from .model import build_model
 from .optimizers import get_optimizer, torch_adamw
-from .probe import adamw_step_s, calibrate
+from .probe import AdamWProbe, calibrate
 from .progress import Progress
 from .sites import Tiers, optimizer_state_bytes, setup, site_sums
 from .timing import BLOCKED, install
@@ -118,14 +119,29 @@ def _timed_step(built, sched, x, y, fsdp=None, last: bool = False) -> dict:
 PROBE_FIELDS = {"calibration": "compute_only_step_s", "adamw_probe": "adamw_step_s"}
 
 
-def _probes(built, model, cfg, lr: float, batches, tiers) -> dict:
-    """The compute-only steps this run times (`probe.py`): a DDP run's own under no_sync();
-    dense AdamW's on a copy of the model for any other single-tier run; nothing across sites."""
+def _adamw_probe(built, model, cfg, lr: float, batches, tiers) -> AdamWProbe | None:
+    """Dense AdamW's step on a copy of the model (probe.py), for a single-tier run that does not
+    calibrate its own step (DDP does, under no_sync()); None across sites."""
+    if built.calibrate is None and tiers is None:
+        return AdamWProbe(model, lambda ps: torch_adamw(ps, cfg, lr), batches)
+    return None
+
+
+def _probes(built, adamw: AdamWProbe | None, batches) -> dict:
+    """The compute-only steps this run calibrates (`probe.py`): a DDP run's own under no_sync(),
+    or dense AdamW's on its copy of the model."""
     if built.calibrate is not None:
         return {"calibration": built.calibrate(batches)}
-    if tiers is None:
-        return {"adamw_probe": adamw_step_s(model, lambda ps: torch_adamw(ps, cfg, lr), batches)}
-    return {}
+    return {} if adamw is None else {"adamw_probe": adamw.median_s()}
+
+
+def _evaluation(model, val_ids, starts, cfg, rank: int, world: int, step: int, adamw: AdamWProbe | None) -> dict:
+    """The eval record of `step`; after training has begun it also holds a few of dense AdamW's
+    steps timed here (`adamw_probe_s`), so its limit follows the machine through the run."""
+    rec = {"kind": "eval", "step": step, "val_loss": evaluate(model, val_ids, starts, cfg, rank, world)}
+    if adamw is not None and step > 0:
+        rec["adamw_probe_s"] = adamw.sample()
+    return rec
 
 
 def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path: str | None,
@@ -172,7 +188,8 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
             val = evaluate(model, val_ids, starts, cfg, rank, world)
             _write(log, {"kind": "eval", "step": 0, "val_loss": val})
         batches = lambda i: tuple(t.to(device) for t in train_batch(train_ids, cfg, i, rank, world))  # noqa: E731
-        before = _probes(built, model, cfg, lr, batches, tiers)    # compute-only steps, before and after (probe.py)
+        adamw = _adamw_probe(built, model, cfg, lr, batches, tiers)
+        before = _probes(built, adamw, batches)    # compute-only steps, before and after (probe.py)
         for step in range(done + 1, cfg.steps + 1):
             _maybe_die(rank, step)
             x, y = (t.to(device) for t in train_batch(train_ids, cfg, step - 1, rank, world))
@@ -185,13 +202,14 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
             _write(log, {"kind": "step", "step": step, **rec})
             bar.update(step, rec["loss"], built.stats.payload_bytes)
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                val = evaluate(model, val_ids, starts, cfg, rank, world)
-                _write(log, {"kind": "eval", "step": step, "val_loss": val})
+                rec = _evaluation(model, val_ids, starts, cfg, rank, world, step, adamw)
+                _write(log, rec)
+                val = rec["val_loss"]
                 bar.note(val)
             if checkpoint_dir and ((checkpoint_every and step % checkpoint_every == 0) or step == cfg.steps):
                 save(checkpoint_dir, step, model, built, sched, meta, rank, extra={"inter_steps": inter_steps})
             _pace()
-        after = _probes(built, model, cfg, lr, batches, tiers)
+        after = _probes(built, adamw, batches)
         probes = {name: calibrate(before[name], after[name]) for name in before}
         if done >= cfg.steps:                      # resumed at the end: the final evaluation again
             val = evaluate(model, val_ids, starts, cfg, rank, world)
