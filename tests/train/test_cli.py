@@ -114,6 +114,9 @@ def test_demo_sends_over_100x_less(run):
     (["--sparseloco-eager-scale", "-1"], "sparseloco_eager_scale must be a finite number >= 0"),
     (["--diloco-outer-lr", "-1"], "diloco_outer_lr must be > 0"),
     (["--diloco-outer-momentum", "1"], "diloco_outer_momentum must be in [0, 1)"),
+    (["--optimizers", "demo", "--dense-steps", "0", "--target", "3"], "--dense-steps must be an integer >= 1, got 0"),
+    (["--optimizers", "demo", "--dense-steps", "5"], "--dense-steps needs --target"),
+    (["--optimizers", "adamw,demo", "--dense-steps", "5", "--target", "3"], "and this one runs adamw"),
 ])
 def test_user_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -147,3 +150,10 @@ def test_entry_points_and_layers():
              "'thinwire.train.worker', 'thinwire.train.model')))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_dense_steps_reach_the_run_options():
+    from thinwire.train.cli import build_parser, options_from_args
+    args = build_parser().parse_args(["compare", "--optimizers", "demo", "--target", "2.5", "--dense-steps", "475"])
+    assert options_from_args(args).dense_steps == 475
+    assert options_from_args(build_parser().parse_args(["compare"])).dense_steps is None

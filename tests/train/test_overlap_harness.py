@@ -14,7 +14,7 @@ from thinwire.train.cli import main
 from thinwire.train.config import get_preset
 from thinwire.train.model import build_model
 from thinwire.train.optimizers import OPTIMIZERS, get_optimizer
-from thinwire.train.report import add_limits, summarize
+from thinwire.train.report import add_limits, format_table, summarize
 
 V, C, T = 256, 64, 32                        # tiny preset: vocab, width, context (one block)
 N_PARAMS = V * C + T * C + 12 * C * C + 3 * C
@@ -154,6 +154,14 @@ def test_limits_arithmetic():
     add_limits([a, s])
     assert s["adamw_step_during_s"] == pytest.approx(0.35)      # median of the 6 samples to its target (step 4)
     assert s["ratio_to_dense_limit_here"] == pytest.approx(2.0 / (4 * 0.35))    # the samples, not the calibration
+    assert (s["dense_steps_to_target"], s["dense_steps_of"]) == (4, "adamw")
+    add_limits([s], dense_steps=3)                 # no AdamW row: its steps to target given (--dense-steps)
+    assert s["dense_limit_s"] is None and s["ratio_to_dense_limit"] is None
+    assert (s["dense_steps_to_target"], s["dense_steps_of"]) == (3, "--dense-steps")
+    assert s["ratio_to_dense_limit_here"] == pytest.approx(2.0 / (3 * 0.35))
+    assert "from --dense-steps (3)" in format_table([s], None)
+    add_limits([s])
+    assert s["ratio_to_dense_limit_here"] is None and s["dense_steps_of"] is None
     assert (a["steps_to_target"], a["compute_only_step_s"], a["no_comm_limit_s"]) == (4, 0.25, 1.0)
     assert a["time_to_target_s"]["compute"] == pytest.approx(1.0)                 # calibrated compute drives models
     assert a["time_to_target_s"]["10mbit"] == pytest.approx(4 * (0.25 + 80 / 10e6))

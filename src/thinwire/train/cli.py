@@ -41,6 +41,9 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                                   "with --sites, between sites only")
     p.add_argument("--latency", help="per-collective latency for modelled time (default 1ms, or the --link delay)")
     p.add_argument("--target", type=float, help="target validation loss (default: dense baseline's final x 1.02)")
+    p.add_argument("--dense-steps", type=int, metavar="N",
+                   help="dense AdamW's steps to --target from its own run, for a table without it: the "
+                        "limits table then divides each run's time by N x AdamW's step timed in that run")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--overlap", action="store_true", default=None, help=FIELD_HELP["overlap"])
     for name in _OVERRIDES:
@@ -88,7 +91,7 @@ def options_from_args(args):
                       target=args.target, data=args.data, tokenizer=args.tokenizer, text_field=args.text_field,
                       data_cache=args.data_cache, quiet=args.quiet, checkpoint=train,
                       checkpoint_every=args.checkpoint_every if train else 0,
-                      peer_timeout=args.peer_timeout if train else None)
+                      peer_timeout=args.peer_timeout if train else None, dense_steps=args.dense_steps)
 
 
 def _train_or_compare(args) -> None:
@@ -170,8 +173,9 @@ def torchrun_main(argv=None) -> None:
     from .launch import exit_process, init_from_env
     from .optimizers import learning_rate
     from .worker import PeerFailure, train_worker
-    from .run import prepare
+    from .run import check_dense_steps, prepare
     try:                                        # every rank: the cache is written atomically, read by all
+        check_dense_steps(opts, [args.optimizer])
         cfg, opts = prepare(cfg, opts, announce=os.environ["RANK"] == "0")
     except ValueError as err:
         raise SystemExit(f"thinwire: error: {err}") from None
@@ -193,7 +197,7 @@ def torchrun_main(argv=None) -> None:
             from .run import DEFAULT_LATENCY_S, report
             logs = {args.optimizer: {**read_log(log), "lr": lr}}
             latency = DEFAULT_LATENCY_S if opts.latency_s is None else opts.latency_s
-            report(cfg, logs, world, Path(args.out), latency, opts.target)
+            report(cfg, logs, world, Path(args.out), latency, opts.target, dense_steps=opts.dense_steps)
     finally:
         dist.destroy_process_group()
     exit_process(0)                             # not finalizing: see launch.exit_process

@@ -121,6 +121,10 @@ class RunOptions:
     """Seconds a collective waits for a silent peer before every survivor raises; None:
     launch.DEFAULT_PEER_TIMEOUT."""
 
+    dense_steps: int | None = None
+    """Dense AdamW's steps to `target`, from its own run, for a table without it: each row's time
+    is then divided by these steps x AdamW's step timed in that row's run (report.add_limits)."""
+
     @property
     def writes_checkpoints(self) -> bool:
         """Whether the run checkpoints and resumes: `checkpoint` with an `out_dir`."""

@@ -137,24 +137,30 @@ def summarize(optimizer: str, log: dict, target: float, latency_s: float, link: 
     return row
 
 
-def add_limits(rows: list[dict], dense: tuple[str, ...] = ("adamw", "adamw-allreduce")) -> dict | None:
+def add_limits(rows: list[dict], dense: tuple[str, ...] = ("adamw", "adamw-allreduce"),
+               dense_steps: int | None = None) -> dict | None:
     """Every row gets dense AdamW's no-communication limit (`dense_limit_s`: its steps to target
     x its compute-only s/step; the first of the names `dense` that ran: DDP AdamW, else
     DenseAllReduce AdamW) and `ratio_to_dense_limit` = its measured time to target / that limit (None when
     either is missing); a row that probed AdamW's step in its own run also gets
     `ratio_to_dense_limit_here` = its time / (AdamW's steps to target x that step): the step
     sampled at its evaluations up to its target (`adamw_step_during_s`), else the calibration's
-    (`adamw_step_s`, a log without samples). Returns the reference row (None when it did not run)."""
+    (`adamw_step_s`, a log without samples). AdamW's steps to target are its row's, or
+    `dense_steps` (from AdamW's own run to the same target) when it is not in the table; the row
+    records which in `dense_steps_to_target` / `dense_steps_of`. Returns the reference row (None
+    when it did not run)."""
     ref = next((r for name in dense for r in rows if r["optimizer"] == name), None)
     limit = ref["no_comm_limit_s"] if ref else None
+    steps = ref["steps_to_target"] if ref else dense_steps
     for r in rows:
         measured = r["time_to_target_s"]["measured"]
         r["dense_limit_s"] = limit
         r["dense_limit_of"] = ref["optimizer"] if ref else None
         r["ratio_to_dense_limit"] = None if (limit is None or measured is None or not limit) else measured / limit
+        r["dense_steps_to_target"], r["dense_steps_of"] = steps, (ref["optimizer"] if ref else
+                                                                  "--dense-steps" if steps else None)
         adamw_step = r.get("adamw_step_during_s") or r.get("adamw_step_s")
-        here = None if ref is None or ref["steps_to_target"] is None or not adamw_step \
-            else ref["steps_to_target"] * adamw_step
+        here = None if not steps or not adamw_step else steps * adamw_step
         r["ratio_to_dense_limit_here"] = None if (here is None or measured is None) else measured / here
     return ref
 
@@ -275,10 +281,14 @@ def _limits_table(rows: list[dict]) -> str:
                      f"Compute-only s/step: DDP runs measured with communication off (no_sync), the "
                      f"smaller of before and after training; others step time - time blocked in "
                      f"collectives (with overlap, the wait in the next step). The last column divides by "
-                     f"AdamW's steps to target x AdamW's step timed in the row's own processes, free of "
-                     f"the machine's drift between runs.")
+                     f"AdamW's steps to target x AdamW's step timed in the row's own processes at its "
+                     f"evaluations, free of the machine's drift between and within runs.")
     else:
         lines.append("\nDense AdamW (adamw) did not run or did not reach the target: no ratio to its limit.")
+    given = next((r for r in rows if r.get("dense_steps_of") == "--dense-steps"), None)
+    if given is not None:
+        lines.append(f"The last column takes AdamW's steps to target from --dense-steps "
+                     f"({given['dense_steps_to_target']}).")
     return "\n".join(lines)
 
 

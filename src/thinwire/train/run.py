@@ -104,6 +104,7 @@ def compare(cfg: TrainConfig, optimizers: list[str], options: RunOptions | None 
         raise ValueError("--checkpoint-every belongs to `thinwire train` (one optimizer per run)")
     if opts.peer_timeout is not None and opts.peer_timeout <= 0:
         raise ValueError(f"--peer-timeout must be > 0 seconds, got {opts.peer_timeout}")
+    check_dense_steps(opts, optimizers)
     if opts.writes_checkpoints:
         _check_checkpointing(cfg, optimizers, workers, opts)
     elif opts.checkpoint_every:
@@ -124,7 +125,23 @@ def compare(cfg: TrainConfig, optimizers: list[str], options: RunOptions | None 
                    **kwargs)
             logs[name] = read_log(path)
             logs[name]["lr"] = lr
-    return report(cfg, logs, workers, out, latency_s, opts.target, link_info, opts.show)
+    return report(cfg, logs, workers, out, latency_s, opts.target, link_info, opts.show, opts.dense_steps)
+
+
+def check_dense_steps(opts: RunOptions, optimizers: list[str]) -> None:
+    """--dense-steps stands in for dense AdamW's run to --target: a ValueError unless it is an
+    integer >= 1, --target is given and AdamW is not in this table."""
+    steps = opts.dense_steps
+    if steps is None:
+        return
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"--dense-steps must be an integer >= 1, got {steps!r}")
+    if opts.target is None:
+        raise ValueError("--dense-steps needs --target: they are dense AdamW's steps to that loss")
+    dense = [name for name in optimizers if name in ("adamw", "adamw-allreduce")]
+    if dense:
+        raise ValueError(f"--dense-steps stands in for a dense AdamW run, and this one runs {dense[0]}: "
+                         f"drop one of them")
 
 
 def prepare(cfg: TrainConfig, opts: RunOptions, announce: bool = True) -> tuple[TrainConfig, RunOptions]:
@@ -161,8 +178,10 @@ def _check_checkpointing(cfg: TrainConfig, optimizers: list[str], workers: int, 
 
 
 def report(cfg: TrainConfig, logs: dict[str, dict], workers: int, out: Path, latency_s: float,
-           target: float | None = None, link_info: dict | None = None, show: bool = True) -> list[dict]:
-    """summary.json, table.md and plots in `out` from the runs' logs (in run order)."""
+           target: float | None = None, link_info: dict | None = None, show: bool = True,
+           dense_steps: int | None = None) -> list[dict]:
+    """summary.json, table.md and plots in `out` from the runs' logs (in run order);
+    `dense_steps`: AdamW's steps to `target` when it is not among them (`add_limits`)."""
     optimizers = list(logs)
     baseline = next((n for n in optimizers if n in OPTIMIZERS and OPTIMIZERS[n].dense), None)
     if target is None:
@@ -176,7 +195,7 @@ def report(cfg: TrainConfig, logs: dict[str, dict], workers: int, out: Path, lat
                    counterpart=spec.counterpart if spec else None,
                    overlap=bool(spec and (spec.overlap or (cfg.overlap and spec.can_overlap))))
         rows.append(row)
-    add_limits(rows)
+    add_limits(rows, dense_steps=dense_steps)
     table = format_table(rows, baseline)
     (out / "summary.json").write_text(json.dumps({"target_loss": target, "baseline": baseline,
                                                   "latency_s": latency_s, "sites": cfg.sites or None,
