@@ -2,6 +2,7 @@
 file shares with two others: shared.py), plus the CLI's user errors (which must come
 before anything is spawned)."""
 
+import json
 import subprocess
 import sys
 
@@ -152,8 +153,22 @@ def test_entry_points_and_layers():
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
-def test_dense_steps_reach_the_run_options():
+def test_dense_steps_and_the_probe_switch_reach_the_run_options():
     from thinwire.train.cli import build_parser, options_from_args
-    args = build_parser().parse_args(["compare", "--optimizers", "demo", "--target", "2.5", "--dense-steps", "475"])
-    assert options_from_args(args).dense_steps == 475
-    assert options_from_args(build_parser().parse_args(["compare"])).dense_steps is None
+    args = build_parser().parse_args(["compare", "--optimizers", "demo", "--target", "2.5", "--dense-steps", "475",
+                                      "--no-adamw-probe"])
+    assert (options_from_args(args).dense_steps, options_from_args(args).adamw_probe) == (475, False)
+    plain = options_from_args(build_parser().parse_args(["compare"]))
+    assert (plain.dense_steps, plain.adamw_probe) == (None, True)
+
+
+def test_no_adamw_probe_times_nothing(tmp_path):
+    main(["compare", "--preset", "tiny", "--optimizers", "sparseloco", "--steps", "10", "--eval-every", "5",
+          "--no-adamw-probe", "--target", "9", "--dense-steps", "5", "--quiet", "--out", str(tmp_path)])
+    records = [json.loads(line) for line in (tmp_path / "sparseloco.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 5, 10]
+    assert not any("adamw_probe_s" in r for r in records)
+    final = next(r for r in records if r["kind"] == "final")
+    assert "adamw_probe" not in final and "adamw_step_s" not in final
+    row = json.loads((tmp_path / "summary.json").read_text())["runs"][0]
+    assert row["time_to_target_s"]["measured"] is not None and row["ratio_to_dense_limit_here"] is None

@@ -44,6 +44,9 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-steps", type=int, metavar="N",
                    help="dense AdamW's steps to --target from its own run, for a table without it: the "
                         "limits table then divides each run's time by N x AdamW's step timed in that run")
+    p.add_argument("--no-adamw-probe", action="store_true",
+                   help="do not time dense AdamW's step on a copy of the model in each run (its memory and "
+                        "about 3 steps per evaluation): no ratio to AdamW's limit in the limits table's last column")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--overlap", action="store_true", default=None, help=FIELD_HELP["overlap"])
     for name in _OVERRIDES:
@@ -91,7 +94,8 @@ def options_from_args(args):
                       target=args.target, data=args.data, tokenizer=args.tokenizer, text_field=args.text_field,
                       data_cache=args.data_cache, quiet=args.quiet, checkpoint=train,
                       checkpoint_every=args.checkpoint_every if train else 0,
-                      peer_timeout=args.peer_timeout if train else None, dense_steps=args.dense_steps)
+                      peer_timeout=args.peer_timeout if train else None, dense_steps=args.dense_steps,
+                      adamw_probe=not args.no_adamw_probe)
 
 
 def _train_or_compare(args) -> None:

@@ -121,6 +121,12 @@ class RunOptions:
     """Seconds a collective waits for a silent peer before every survivor raises; None:
     launch.DEFAULT_PEER_TIMEOUT."""
 
+    adamw_probe: bool = True
+    """Time dense AdamW's step in a single-tier non-DDP run (train/probe.py): on a copy of the model
+    held for the run, before and after training and 3 steps at every evaluation, outside the timed
+    steps. False (`--no-adamw-probe`): no copy and no probing (a large model's memory and wall
+    time); the limits table's last column is then empty."""
+
     dense_steps: int | None = None
     """Dense AdamW's steps to `target`, from its own run, for a table without it: each row's time
     is then divided by these steps x AdamW's step timed in that row's run (report.add_limits)."""

@@ -119,10 +119,10 @@ def _timed_step(built, sched, x, y, fsdp=None, last: bool = False) -> dict:
 PROBE_FIELDS = {"calibration": "compute_only_step_s", "adamw_probe": "adamw_step_s"}
 
 
-def _adamw_probe(built, model, cfg, lr: float, batches, tiers) -> AdamWProbe | None:
+def _adamw_probe(built, model, cfg, lr: float, batches, tiers, wanted: bool) -> AdamWProbe | None:
     """Dense AdamW's step on a copy of the model (probe.py), for a single-tier run that does not
-    calibrate its own step (DDP does, under no_sync()); None across sites."""
-    if built.calibrate is None and tiers is None:
+    calibrate its own step (DDP does, under no_sync()); None across sites or when not `wanted`."""
+    if wanted and built.calibrate is None and tiers is None:
         return AdamWProbe(model, lambda ps: torch_adamw(ps, cfg, lr), batches)
     return None
 
@@ -188,7 +188,7 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
             val = evaluate(model, val_ids, starts, cfg, rank, world)
             _write(log, {"kind": "eval", "step": 0, "val_loss": val})
         batches = lambda i: tuple(t.to(device) for t in train_batch(train_ids, cfg, i, rank, world))  # noqa: E731
-        adamw = _adamw_probe(built, model, cfg, lr, batches, tiers)
+        adamw = _adamw_probe(built, model, cfg, lr, batches, tiers, options.adamw_probe)
         before = _probes(built, adamw, batches)    # compute-only steps, before and after (probe.py)
         for step in range(done + 1, cfg.steps + 1):
             _maybe_die(rank, step)
