@@ -6,7 +6,7 @@ import torch
 
 import statistics
 
-from thinwire.train.probe import AdamWProbe, adamw_step_s, calibrate, step_during
+from thinwire.train.probe import AdamWProbe, calibrate, step_during
 
 
 def test_the_adamw_probe_touches_neither_the_model_nor_the_rng():
@@ -17,7 +17,7 @@ def test_the_adamw_probe_touches_neither_the_model_nor_the_rng():
     before = [p.detach().clone() for p in model.parameters()]
     rng = torch.get_rng_state()
     batches = lambda i: (torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(i)),) * 2  # noqa: E731
-    seconds = adamw_step_s(model, lambda ps: torch.optim.AdamW(ps, lr=1e-2), batches, steps=3)
+    seconds = AdamWProbe(model, lambda ps: torch.optim.AdamW(ps, lr=1e-2), batches).median_s(3)
     assert seconds > 0
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())

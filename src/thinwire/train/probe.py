@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,7 @@ CALIBRATION_STEPS = 21
 SAMPLE_STEPS = 3
 
 Batches = Callable[[int], tuple[torch.Tensor, torch.Tensor]]   # calibration step i -> (x, y)
+T = TypeVar("T")
 
 
 def step_times(step: Callable[[torch.Tensor, torch.Tensor], None], batches: Batches, steps: int) -> list[float]:
@@ -95,11 +96,6 @@ class AdamWProbe:
         return without_rng(lambda: step_times(self._step, self.batches, steps), self.model)
 
 
-def adamw_step_s(model: torch.nn.Module, adamw: Callable, batches: Batches, steps: int = CALIBRATION_STEPS) -> float:
-    """Dense AdamW's compute-only s/step on a fresh copy of `model` (`AdamWProbe.median_s`)."""
-    return AdamWProbe(model, adamw, batches).median_s(steps)
-
-
 def step_during(evals: list[dict], until_step: int | None) -> float | None:
     """The median of the AdamW steps sampled at the evaluations up to `until_step` (every one
     when None; `adamw_probe_s` of an eval record, worker.py), None when none was sampled."""
@@ -107,7 +103,7 @@ def step_during(evals: list[dict], until_step: int | None) -> float | None:
     return statistics.median(times) if times else None
 
 
-def without_rng(measure: Callable[[], float], model: torch.nn.Module) -> float:
+def without_rng(measure: Callable[[], T], model: torch.nn.Module) -> T:
     """measure() under a forked RNG (CPU, and the model's CUDA device if it has one)."""
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
     with torch.random.fork_rng(devices=devices):
