@@ -38,6 +38,9 @@ from pathlib import Path
 from .config import BANDWIDTHS
 from .probe import step_during
 
+# dense AdamW's entries, in the order a table takes its limit from: DDP, else DenseAllReduce
+DENSE_ADAMW = ("adamw", "adamw-allreduce")
+
 
 def read_log(path: str | Path) -> dict:
     steps, evals, resumes, final = [], [], [], None
@@ -137,7 +140,7 @@ def summarize(optimizer: str, log: dict, target: float, latency_s: float, link: 
     return row
 
 
-def add_limits(rows: list[dict], dense: tuple[str, ...] = ("adamw", "adamw-allreduce"),
+def add_limits(rows: list[dict], dense: tuple[str, ...] = DENSE_ADAMW,
                dense_steps: int | None = None) -> dict | None:
     """Every row gets dense AdamW's no-communication limit (`dense_limit_s`: its steps to target
     x its compute-only s/step; the first of the names `dense` that ran: DDP AdamW, else

@@ -24,7 +24,7 @@ from .config import RunOptions, TrainConfig, check_sites, parse_link
 from .data import check_corpus, load_corpus
 from .launch import launch
 from .optimizers import OPTIMIZERS, get_optimizer, learning_rate
-from .report import add_limits, format_table, plot, read_log, summarize
+from .report import DENSE_ADAMW, add_limits, format_table, plot, read_log, summarize
 from .worker import process_started, train_worker
 
 DEFAULT_LATENCY_S = 1e-3
@@ -138,7 +138,7 @@ def check_dense_steps(opts: RunOptions, optimizers: list[str]) -> None:
         raise ValueError(f"--dense-steps must be an integer >= 1, got {steps!r}")
     if opts.target is None:
         raise ValueError("--dense-steps needs --target: they are dense AdamW's steps to that loss")
-    dense = [name for name in optimizers if name in ("adamw", "adamw-allreduce")]
+    dense = [name for name in optimizers if name in DENSE_ADAMW]
     if dense:
         raise ValueError(f"--dense-steps stands in for a dense AdamW run, and this one runs {dense[0]}: "
                          f"drop one of them")

@@ -185,8 +185,9 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
     bar = Progress(optimizer, cfg.steps, enabled=(rank == 0 and not options.quiet))
     try:
         if not done:
-            val = evaluate(model, val_ids, starts, cfg, rank, world)
-            _write(log, {"kind": "eval", "step": 0, "val_loss": val})
+            rec = _evaluation(model, val_ids, starts, cfg, rank, world, 0, None)
+            _write(log, rec)
+            val = rec["val_loss"]
         batches = lambda i: tuple(t.to(device) for t in train_batch(train_ids, cfg, i, rank, world))  # noqa: E731
         adamw = _adamw_probe(built, model, cfg, lr, batches, tiers, options.adamw_probe)
         before = _probes(built, adamw, batches)    # compute-only steps, before and after (probe.py)
