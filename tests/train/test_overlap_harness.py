@@ -152,13 +152,14 @@ def test_limits_arithmetic():
                "adamw_probe_s": [9.0, 9.0, 9.0]}]
     s = summarize("sparseloco", {**probed, "steps": [_step(0.5, 0.2)] * 6, "evals": sampled}, 2.5, 0.0)
     add_limits([a, s])
-    assert s["adamw_step_during_s"] == pytest.approx(0.35)      # median of the 6 samples to its target (step 4)
-    assert s["ratio_to_dense_limit_here"] == pytest.approx(2.0 / (4 * 0.35))    # the samples, not the calibration
+    assert s["adamw_step_during_s"] == pytest.approx(2.1 / 6)    # mean of the 6 samples to its target (step 4)
+    assert s["adamw_step_during_median_s"] == pytest.approx(0.35)
+    assert s["ratio_to_dense_limit_here"] == pytest.approx(2.0 / (4 * 2.1 / 6))    # the samples, not the calibration
     assert (s["dense_steps_to_target"], s["dense_steps_of"]) == (4, "adamw")
     add_limits([s], dense_steps=3)                 # no AdamW row: its steps to target given (--dense-steps)
     assert s["dense_limit_s"] is None and s["ratio_to_dense_limit"] is None
     assert (s["dense_steps_to_target"], s["dense_steps_of"]) == (3, "--dense-steps")
-    assert s["ratio_to_dense_limit_here"] == pytest.approx(2.0 / (3 * 0.35))
+    assert s["ratio_to_dense_limit_here"] == pytest.approx(2.0 / (3 * 2.1 / 6))
     assert "from --dense-steps (3)" in format_table([s], None)
     add_limits([s])
     assert s["ratio_to_dense_limit_here"] is None and s["dense_steps_of"] is None
@@ -200,7 +201,8 @@ def test_rows_carry_the_limit(runs):
         assert all(len(e["adamw_probe_s"]) == 3 and min(e["adamw_probe_s"]) > 0 for e in evals[1:]), name
         measured, hit = row["time_to_target_s"]["measured"], row["steps_to_target"]
         samples = [t for e in evals[1:] if hit is None or e["step"] <= hit for t in e["adamw_probe_s"]]
-        assert row["adamw_step_during_s"] == pytest.approx(statistics.median(samples)), name
+        assert row["adamw_step_during_s"] == pytest.approx(statistics.fmean(samples)), name
+        assert row["adamw_step_during_median_s"] == pytest.approx(statistics.median(samples)), name
         here = rows["adamw"]["steps_to_target"] * row["adamw_step_during_s"]
         assert row["ratio_to_dense_limit_here"] == (None if measured is None else pytest.approx(measured / here)), name
     for name, row in rows.items():

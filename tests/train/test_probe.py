@@ -1,10 +1,9 @@
 """thinwire.train.probe: dense AdamW's step timed on a copy of the model leaves the model and
 the RNG as they were, the calibration record keeps the smaller of its two timings, and the
-samples taken at evaluations count up to the run's target step."""
+samples taken at evaluations count up to the run's target step, averaged."""
 
+import pytest
 import torch
-
-import statistics
 
 from thinwire.train.probe import AdamWProbe, calibrate, step_during
 
@@ -49,6 +48,6 @@ def test_sampling_through_the_run_touches_neither_the_model_nor_the_rng():
 def test_samples_count_up_to_the_target_step():
     evals = [{"step": 0, "val_loss": 4.0}, {"step": 5, "val_loss": 3.0, "adamw_probe_s": [0.4, 0.1]},
              {"step": 10, "val_loss": 2.0, "adamw_probe_s": [0.2, 0.3]}, {"step": 15, "adamw_probe_s": [5.0]}]
-    assert step_during(evals, 10) == statistics.median([0.4, 0.1, 0.2, 0.3])
-    assert step_during(evals, None) == 0.3                    # every sample: median of 0.1, 0.2, 0.3, 0.4, 5.0
+    assert step_during(evals, 10) == pytest.approx(0.25)      # (0.4 + 0.1 + 0.2 + 0.3) / 4
+    assert step_during(evals, None) == pytest.approx(1.2)     # every sample: (1.0 + 5.0) / 5, the slow one counted
     assert step_during(evals, 4) is None and step_during(evals[:1], None) is None
