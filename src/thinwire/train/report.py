@@ -291,8 +291,9 @@ def _limits_table(rows: list[dict]) -> str:
                      f"Compute-only s/step: DDP runs measured with communication off (no_sync), the "
                      f"smaller of before and after training; others step time - time blocked in "
                      f"collectives (with overlap, the wait in the next step). The last column divides by "
-                     f"AdamW's steps to target x AdamW's step timed in the row's own processes at its "
-                     f"evaluations, free of the machine's drift between and within runs.")
+                     f"AdamW's steps to target x the mean of AdamW's steps timed in the row's own "
+                     f"processes at its evaluations up to its target, free of the machine's drift "
+                     f"between and within runs.")
     else:
         lines.append("\nDense AdamW (adamw) did not run or did not reach the target: no ratio to its limit.")
     given = next((r for r in rows if r.get("dense_steps_of") == "--dense-steps"), None)
