@@ -9,7 +9,7 @@ Per parameter, on every rank i, each step t (the paper's equations; `momentum_fo
     M_i ← M_i − α T⁻¹(Q̂_i)                          momentum subtraction = error feedback;
                                                      Q̂_i is Q_i as the wire delivers it, so
                                                      value quantisation loss stays in M_i
-    Δ = T⁻¹( mean_j Q̂_j )                           all ranks' messages, one all-gather per step
+    Δ = T⁻¹( mean_j Q̂_j )                           all ranks' messages, one all-gathered message per step
     θ ← θ − η φ(Δ)                                   φ: sign (signum), √(rows/cols)·NS (muon),
                                                      identity (sgd)
 
@@ -22,7 +22,7 @@ T(M) instead, which agrees to float rounding). Differences from the reference, e
 reason: the aggregate averages over all ranks (aggregate='senders' gives the reference's
 mean-over-senders); a dimension with no divisor in [chunk/2, chunk] is zero-padded rather
 than chunked by 1; indices travel bit-packed and values in `values` precision; all
-parameters share one all-gather; the momentum lives in `self.state[p]['momentum']`.
+parameters share one all-gathered message (`GatherAll`); the momentum lives in `self.state[p]['momentum']`.
 
 Two tiers (FSDP2 shards inside a site, `process_group` = the group across sites; see
 `thinwire.optim.shards`): M, T, top-k, the message and the sign step run on this rank's

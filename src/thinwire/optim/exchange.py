@@ -5,7 +5,8 @@ running (`start()` issues the first collective asynchronously; `finish()` waits,
 further phases and returns a `Delivery`). Each owns its send buffer, reused across steps;
 the algorithm writes its payload after the prefix, the envelope seals the prefix.
 
-    GatherAll     one all_gather of a uint8 message (DeMo, EF21-Muon replicated, lossy syncs)
+    GatherAll     a uint8 message all-gathered: one all_gather, or up to four for a large one
+                  (DeMo, EF21-Muon replicated, lossy syncs)
     ReduceAll     one all_reduce of a float buffer with a float trailer (dense baselines,
                   APMSqueeze's warmup, fp32 parameter-delta syncs)
     OneBitReduce  APMSqueeze's 1-bit all_to_all + all_gather (`thinwire.comm.collectives`)
@@ -33,7 +34,7 @@ FLAG_SERVER_ERROR = 2          # a relayed answer's flag: the server rejected th
 
 # A large GatherAll message leaves as up to MAX_PARTS all_gathers of about PART_BYTES or more,
 # all in flight at once. Over an emulated 10 Mbit/s link (2 ranks, 129 KB each, 150 ms apart)
-# one all_gather took 0.100 s median but 0.109-0.113 s mean and up to 0.184 s; four took 0.100 s
+# one all_gather took 0.100 s median but 0.109-0.114 s mean and up to 0.184 s; four took 0.100 s
 # mean and at most 0.114 s (benchmarks/link_exchange.py --parts).
 PART_BYTES = 32 * 1024
 MAX_PARTS = 4

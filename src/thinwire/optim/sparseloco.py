@@ -12,7 +12,7 @@ Per round, on every rank r, with θ₀ the parameters all ranks agreed on at the
     Δ̂_r = Q(TopK(e_r))                        top-k by magnitude in every chunk, then the
                                               values quantized (`SparseLoCoTopK`)
     e_r ← e_r − Δ̂_r                           the residual (unsent and quantization error) stays
-    Δ̄ = (1/R) Σ_r Δ̂_r                         one all-gather; every rank decodes every row in
+    Δ̄ = (1/R) Σ_r Δ̂_r                         one all-gathered message; every rank decodes every row in
                                               rank order and sums in that order
     θ₀ ← θ₀ − α Δ̄;  θ ← θ₀                    the plain outer step: every rank leaves bit-identical
 
@@ -20,7 +20,8 @@ All of it is implemented as written. Δ, e and the decoding run in float32 (Δ =
 parameters exactly); Δ̂_r is what every receiver decodes from rank r's bytes, so e_r keeps
 exactly what the others did not receive.
 
-The message of a sync, one `GatherAll` (one all-gather of one uint8 buffer) for all P parameters:
+The message of a sync, one `GatherAll` (one uint8 buffer, all-gathered; over 32 KiB as up to four
+all_gathers of its byte ranges in flight at once) for all P parameters:
 the envelope's prefix (8-byte header, ceil(P / 8) bytes of presence), then per parameter, in
 layout order, `SparseLoCoTopK`'s payload: for a tensor of C chunks of E elements and
 k = max(1, round(E · topk / chunk²)) (≤ E) kept per chunk,
@@ -56,7 +57,7 @@ Where this differs from the paper's reference code (tplr's sparseloco.py):
     takes its largest divisor ≤ chunk, which is 1 for a prime: every element sent).
   * k keeps the density on smaller chunks with transform='dct' too (the reference scales k
     only on its identity path).
-  * indices are ceil(log2 E)-bit packed and everything travels in one all-gather (the
+  * indices are ceil(log2 E)-bit packed and everything travels in one all-gathered buffer (the
     reference all-gathers int64 indices, values and quantization parameters apart).
 
 Everything else is DiLoCo's (`thinwire.optim.diloco`, `periodic`): the inner optimizer's groups are
@@ -194,7 +195,7 @@ class SparseLoCo(DiLoCo):
         super().__init__(params, inner=inner, sync_every=sync_every, outer_lr=outer_lr, outer_momentum=0.0,
                          wire="fp32", nonfinite=nonfinite, process_group=process_group, overlap=overlap,
                          delay=delay)
-        self._message = GatherAll(self.comm)        # every parameter's payload in one all-gather
+        self._message = GatherAll(self.comm)        # every parameter's payload in one message
 
     def _describe(self, layout: list[Member]) -> str:
         c = self.compressor
