@@ -5,8 +5,10 @@
 
 One process, one torch thread (as each of the harness's `wan` workers runs), random values of
 the parameters' shapes; each line is the median of `repeats` calls over every parameter (the
-first call dropped). The first line is the whole compressor (`FlatSparseLoCo`: each tensor's
-encode, then the groups' bytes); the lines under it time its parts alone, on the same chunks:
+first call dropped). The first line is the whole compressor as the sync runs it
+(`FlatSparseLoCo`: every tensor's |x| staged, one top-k per group, each tensor's encode, then
+the groups' bytes), the second the same with each tensor's top-k on its own; the lines under
+them time its parts alone, on the same chunks (one call per tensor):
 |x| in chunk-major order, the exact top-k of every chunk (`ops.select.largest_indices`), the
 ascending sort Elias-Fano needs (`ops.ascending`), the 2-bit quantizer and the packing
 (`write`). The optimizer adds Δ = θ₀ − θ and e = β e + Δ (two passes), three full copies for
@@ -65,14 +67,19 @@ def parts(args) -> dict[str, float]:
     values = [torch.randn(1, idx.numel()) for idx in kept]
     anchors, errors, out = [x.clone() for x in xs], [x.clone() for x in xs], [torch.empty_like(x) for x in xs]
 
-    def encode():
+    def encode(staged: bool):
+        if staged:
+            for i, x in enumerate(xs):
+                flat.stage(i, x)
+            flat.select()
         for i, x in enumerate(xs):
             flat.encode(i, x, payload)
         flat.write(payload)
 
     r = args.repeats
     return {
-        "encode, all of it (`FlatSparseLoCo`)": median_ms(encode, r),
+        "encode, all of it (`FlatSparseLoCo`, staged: the sync's path)": median_ms(lambda: encode(True), r),
+        "encode, each tensor's top-k on its own": median_ms(lambda: encode(False), r),
         "  |x| in chunk-major order": median_ms(
             lambda: [torch.abs(v, out=m.view(v.shape)) for v, m, _, _ in chunks], r),
         "  exact top-k of every chunk": median_ms(lambda: [largest_indices(m, k) for _, m, k, _ in chunks], r),

@@ -1,6 +1,7 @@
 """FlatSparseLoCo (thinwire.compress.sparseloco_flat) against SparseLoCoTopK tensor by tensor:
-the same bytes, the same decoded values, the same mean of several ranks' rows, the same
-errors on malformed rows; over groups of tensors whose shares end on a byte and groups whose
+the same bytes, the same decoded values (each tensor's top-k on its own, or every group's
+selected at once after staging), the same mean of several ranks' rows, the same errors on
+malformed rows; over groups of tensors whose shares end on a byte and groups whose
 do not, tensors on their own (padded, 'dct', 'int8') and a mix of them; with the indices
 packed or Elias-Fano coded."""
 
@@ -42,23 +43,31 @@ def _per_tensor(comp: SparseLoCoTopK, flat: FlatSparseLoCo, x: torch.Tensor) -> 
     return torch.cat(parts)
 
 
-def _encode(flat: FlatSparseLoCo, x: torch.Tensor):
-    """The sync's order: every tensor encoded, then the groups' bytes written."""
+def _encode(flat: FlatSparseLoCo, x: torch.Tensor, staged: bool = False):
+    """The sync's order: every tensor encoded, then the groups' bytes written; staged: every
+    tensor's magnitudes first and one selection over each group (SparseLoCo's sync)."""
     payload = torch.empty(flat.nbytes, dtype=torch.uint8)
+    if staged:
+        for i, t in enumerate(_tensors(flat, x)):
+            flat.stage(i, t)
+        flat.select()
     sent = {i: flat.encode(i, t, payload) for i, t in enumerate(_tensors(flat, x))}
     flat.write(payload)
     return payload, sent
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["one-by-one", "staged"])
 @pytest.mark.parametrize("settings", SETTINGS, ids=SETTING_IDS)
 @pytest.mark.parametrize("name", SHAPE_SETS)
-def test_bytes_and_decoded_values_are_the_per_tensor_ones(name, settings):
+def test_bytes_and_decoded_values_are_the_per_tensor_ones(name, settings, staged):
     shapes = SHAPE_SETS[name]
     comp = SparseLoCoTopK(topk=32, chunk=16, **settings)
     flat = FlatSparseLoCo(comp, shapes, "cpu")
-    x = _rows(shapes, 1)[0]
-    payload, sent = _encode(flat, x)
+    x, later = _rows(shapes, 2)
+    payload, sent = _encode(flat, x, staged)
     assert torch.equal(payload, _per_tensor(comp, flat, x))
+    # a selection ends with its bytes: the next encode, not staged, selects its own
+    assert torch.equal(_encode(flat, later)[0], _per_tensor(comp, flat, later))
     for i, (shape, part) in enumerate(zip(flat.shapes, flat.payloads)):
         expected = comp.decode(part.of(payload), shape)
         positions, values = sent[i].positions, sent[i].values

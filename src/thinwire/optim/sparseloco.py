@@ -35,8 +35,9 @@ L = floor(log2(E / k)), each chunk's ascending and its values in that order;
 `thinwire.wire.indices`), so bytes per sync = 8 + ceil(P / 8) + Σ_params (indices + values), and
 nothing on local steps.
 The sync computes them with `FlatSparseLoCo` (the same bytes as `SparseLoCoTopK` tensor by
-tensor): each parameter's Δ, e, top-k, values, e' and eager jump one after the other while it is
-in cache, the packing and, at the landing, the reading batched over parameters of one chunk shape.
+tensor): each parameter's Δ, e and |e|, then the top-k of all of them at once, then each
+parameter's values, e' and eager jump one after the other while it is in cache, the packing and,
+at the landing, the reading batched over parameters of one chunk shape.
 Chunks are `ChunkPlan`'s (a tensor viewed as a matrix, each dimension cut into chunks of at
 most `chunk`, zero-padded when it has no divisor in [chunk/2, chunk]).
 
@@ -225,8 +226,9 @@ class SparseLoCo(DiLoCo):
         return self._flat
 
     def _encode(self, step: int, layout: list[Member], exchange) -> None:
-        """The local step; at a sync, then every parameter's Δ̂ into the message and e' aside,
-        one parameter at a time (each pass over it while it is in cache)."""
+        """The local step; at a sync, then every parameter's Δ̂ into the message and e' aside:
+        e and |e| of every parameter, one top-k over them (`FlatSparseLoCo.select`), then each
+        parameter's values, e' and eager jump (each pass over it while it is in cache)."""
         self._local_step(step, layout)
         if exchange is None:
             return
@@ -244,6 +246,10 @@ class SparseLoCo(DiLoCo):
             _difference(state["anchor"], p, out=x)
             # e = β e + Δ
             x.add_(state["error"], alpha=self.error_decay)
+            flat.stage(i, x)                                                   # |e| for TopK
+        flat.select()
+        for i, ((_, p, key), elements) in enumerate(zip(layout, places)):
+            state, x = self.state[key], elements.of(self._unsent).view(p.shape)
             # Δ̂ = Q(TopK(e)): this rank's row of the message, and what receivers decode of it
             sent = self._own_sent[i] = flat.encode(i, x, exchange.payload, step)
             # e' = e − Δ̂, committed when the sync lands
