@@ -32,10 +32,10 @@ from .protocol import (FLAG_NONFINITE, PeerMismatchError, all_finite, prefix_nby
 
 FLAG_SERVER_ERROR = 2          # a relayed answer's flag: the server rejected this step's messages
 
-# A large GatherAll message leaves as up to MAX_PARTS all_gathers of about PART_BYTES or more,
-# all in flight at once. Over an emulated 10 Mbit/s link (2 ranks, 129 KB each, 150 ms apart)
-# one all_gather took 0.100 s median but 0.109-0.114 s mean and up to 0.184 s; four took 0.100 s
-# mean and at most 0.114 s (benchmarks/link_exchange.py --parts).
+# A GatherAll message leaves as one all_gather per PART_BYTES started, at most MAX_PARTS, all in
+# flight at once. Over an emulated 10 Mbit/s link (2 ranks, 129 KB each, 150 ms apart) one
+# all_gather took 0.100 s median but 0.109-0.114 s mean and up to 0.184 s; four took 0.100-0.102 s
+# mean and at most 0.115 s (benchmarks/link_exchange.py --gap 0.15 --max-parts 1 4).
 PART_BYTES = 32 * 1024
 MAX_PARTS = 4
 
