@@ -112,14 +112,15 @@ class _Group:
         levels from x (float32, contiguous, its shape), kept for `write`; what receivers decode
         of them. `magnitude`: flat float32 scratch >= x.numel()."""
         rows = slice(self.first[j], self.first[j + 1])
-        if self.selected is not None:
-            idx, positions = self.idx[rows], self.selected[rows].reshape(-1)
+        if self.selected is not None:                                           # its rows of self.idx: select's
+            positions = self.selected[rows].view(-1)                            # [C·k]
         else:
             idx = self._top(self._chunk_major(j, x, magnitude[: x.numel()].view(-1, self.h * self.w)))   # [C, k]
+            self.idx[rows] = idx
             positions = self.positions(idx, rows).view(-1)                      # [C·k]
         # the kept values (index_select: about 2x torch.take's speed on CPU here), one row: the tensor's
         q, levels = quantize_rows(x.view(-1).index_select(0, positions).view(1, -1))
-        self.idx[rows], self.codes[rows], self.levels[j] = idx, q.view(-1, self.k), levels[0]
+        self.codes[rows], self.levels[j] = q.view(-1, self.k), levels[0]
         # x̂ = t_q, as the codec decodes it
         return Sent(positions, levels.view(-1).take(q.view(-1)), None)
 
