@@ -88,3 +88,17 @@ def test_low_precision_input_is_coded_like_its_float32_value():
     x = randn(3, 11, seed=2).to(torch.bfloat16)
     codec = get_codec("2bit")
     assert torch.equal(codec.encode(x), codec.encode(x.float()))
+
+
+def test_masked_bin_sums_agree_with_the_reference_levels():
+    """The off-CPU bin sums (masked reductions, run here on CPU) give every row's reference
+    levels: the counts exactly, the sums to float64 rounding, so float32 levels alike."""
+    from thinwire.wire.twobit import _bin_sums, _masked_bin_sums, quantize_rows
+    x = torch.cat([randn(3, 500, seed=1), torch.tensor([[5.0] * 500])]) * 1e-3  # the last row: one level
+    q, levels = quantize_rows(x)
+    sums, counts = _masked_bin_sums(q, x.double())
+    cpu_sums, cpu_counts = _bin_sums(q, x.double())
+    assert torch.equal(counts, cpu_counts)
+    assert torch.allclose(sums, cpu_sums, rtol=1e-12, atol=0.0)
+    masked = torch.where(counts > 0, sums / counts.clamp(min=1), x.double().mean(dim=1, keepdim=True)).float()
+    assert masked.tolist() == [reference_row(row)[1] for row in x.tolist()] == levels.tolist()
