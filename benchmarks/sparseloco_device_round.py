@@ -52,9 +52,8 @@ def _train_step(model, opt, x, y, bf16: bool) -> None:
 
 
 def check_bytes(model, args, device) -> str:
-    """The compressor on `device` against CPU, on the model's shapes (random tensors), encoded as
-    SparseLoCo's sync does (on a GPU each group's 2-bit values in one `quantize_segments`, on
-    CPU tensor by tensor): which tensors' bytes differ, whether their kept positions do, and the largest difference of a
+    """The compressor on `device` against CPU, on the model's shapes (random tensors): which
+    tensors' bytes differ, whether their kept positions do, and the largest difference of a
     decoded value (the 2-bit levels are float64 statistics, reduced in another order on a GPU)."""
     from thinwire.compress import SparseLoCoTopK
     from thinwire.compress.sparseloco_flat import FlatSparseLoCo
@@ -68,9 +67,7 @@ def check_bytes(model, args, device) -> str:
         for i, x in enumerate(xs):
             flat.stage(i, x.to(where))
         flat.select()
-        for i, x in enumerate(xs):                        # as SparseLoCo's sync: off CPU one quantizer call a group
-            flat.take(i, x.to(where), payload)
-        flat.quantize()
+        [flat.encode(i, x.to(where), payload) for i, x in enumerate(xs)]
         flat.write(payload)
         decoded = flat.decode([payload])[0]
         out.append((flat, payload.cpu(), {i: (p.cpu(), v.cpu()) for i, (p, v) in decoded.items()}))
