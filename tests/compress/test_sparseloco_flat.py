@@ -45,32 +45,24 @@ def _per_tensor(comp: SparseLoCoTopK, flat: FlatSparseLoCo, x: torch.Tensor) -> 
 
 def _encode(flat: FlatSparseLoCo, x: torch.Tensor, staged: bool = False):
     """The sync's order: every tensor encoded, then the groups' bytes written; staged: every
-    tensor's magnitudes first and one selection over each group, then every tensor's values
-    taken, each group quantized at once, and what each sent (SparseLoCo's sync)."""
-    payload, tensors = torch.empty(flat.nbytes, dtype=torch.uint8), _tensors(flat, x)
-    if not staged:
-        sent = {i: flat.encode(i, t, payload) for i, t in enumerate(tensors)}
-    else:
-        for i, t in enumerate(tensors):
+    tensor's magnitudes first and one selection over each group (SparseLoCo's sync)."""
+    payload = torch.empty(flat.nbytes, dtype=torch.uint8)
+    if staged:
+        for i, t in enumerate(_tensors(flat, x)):
             flat.stage(i, t)
         flat.select()
-        for i, t in enumerate(tensors):
-            flat.take(i, t, payload)
-        flat.quantize()
-        sent = {i: flat.sent(i) for i in range(len(tensors))}
+    sent = {i: flat.encode(i, t, payload) for i, t in enumerate(_tensors(flat, x))}
     flat.write(payload)
     return payload, sent
 
 
-@pytest.mark.parametrize("staged, segmented", [(False, False), (True, False), (True, True)],
-                         ids=["one-by-one", "staged", "staged-segmented"])
+@pytest.mark.parametrize("staged", [False, True], ids=["one-by-one", "staged"])
 @pytest.mark.parametrize("settings", SETTINGS, ids=SETTING_IDS)
 @pytest.mark.parametrize("name", SHAPE_SETS)
-def test_bytes_and_decoded_values_are_the_per_tensor_ones(name, settings, staged, segmented):
-    """segmented: the quantizer GPUs take by default (one call per group), run here on CPU."""
+def test_bytes_and_decoded_values_are_the_per_tensor_ones(name, settings, staged):
     shapes = SHAPE_SETS[name]
     comp = SparseLoCoTopK(topk=32, chunk=16, **settings)
-    flat = FlatSparseLoCo(comp, shapes, "cpu", segmented=segmented)
+    flat = FlatSparseLoCo(comp, shapes, "cpu")
     x, later = _rows(shapes, 2)
     payload, sent = _encode(flat, x, staged)
     assert torch.equal(payload, _per_tensor(comp, flat, x))

@@ -102,29 +102,3 @@ def test_masked_bin_sums_agree_with_the_reference_levels():
     assert torch.allclose(sums, cpu_sums, rtol=1e-12, atol=0.0)
     masked = torch.where(counts > 0, sums / counts.clamp(min=1), x.double().mean(dim=1, keepdim=True)).float()
     assert masked.tolist() == [reference_row(row)[1] for row in x.tolist()] == levels.tolist()
-
-
-@pytest.mark.parametrize("lengths, scale", [([1], 1.0), ([5, 1, 300, 64], 1e-3), ([1000, 3, 2000], 1e4),
-                                             ([7] * 40, 0.1)])
-def test_quantize_segments_is_each_segment_quantized_alone(lengths, scale):
-    """Segments end to end give every segment's own codes and levels, as the reference does
-    for that segment alone (a row of all-equal values and a row of one value included)."""
-    from thinwire.wire.twobit import quantize_segments
-    x = randn(sum(lengths), seed=len(lengths)) * scale
-    x[: lengths[0]] = 0.25 if lengths[0] > 1 else x[0]           # the first segment: one level
-    q, levels = quantize_segments(x, lengths)
-    assert q.shape == (sum(lengths),) and levels.shape == (len(lengths), 4)
-    at = 0
-    for s, n in enumerate(lengths):
-        codes, expected = reference_row(x[at: at + n].tolist())
-        assert q[at: at + n].tolist() == codes
-        assert levels[s].tolist() == expected
-        at += n
-
-
-def test_quantize_segments_non_finite_segment_gives_nan_levels():
-    from thinwire.wire.twobit import quantize_segments
-    x = randn(30, seed=3)
-    x[12] = float("nan")
-    _, levels = quantize_segments(x, [10, 10, 10])
-    assert torch.isfinite(levels[0]).all() and torch.isnan(levels[1]).all() and torch.isnan(levels[2]).all()

@@ -37,7 +37,7 @@ from ..ops.select import ascending, largest_indices
 from ..optim.flat import Span, spans
 from ..wire import pack_bits, packed_nbytes, unpack_bits
 from ..wire.indices import pack_stream, unpack_stream
-from ..wire.twobit import LEVELS, quantize_rows, quantize_segments
+from ..wire.twobit import LEVELS, quantize_rows
 from .payload import Payload
 from .sparseloco_topk import Sent, SparseLoCoTopK
 
@@ -48,9 +48,8 @@ Decoded = tuple[torch.Tensor, torch.Tensor]    # (flat positions in the tensor [
 class _Group:
     """Tensors sharing (h, w, k), their G chunks as the rows of [G, k] buffers."""
 
-    def __init__(self, members: list[int], plans, payloads: list[Span], compressor: SparseLoCoTopK, device,
-                 segmented: bool):
-        self.members, self.plans, self.payloads, self.segmented = members, plans, payloads, segmented
+    def __init__(self, members: list[int], plans, payloads: list[Span], compressor: SparseLoCoTopK, device):
+        self.members, self.plans, self.payloads = members, plans, payloads
         self.h, self.w, self.k = plans[0].chunk_rows, plans[0].chunk_cols, compressor.k(plans[0].shape)
         self.coding = compressor.coding(plans[0].shape)
         self.chunks = [p.num_chunks for p in plans]
@@ -76,7 +75,6 @@ class _Group:
         self.idx = torch.empty(self.rows, self.k, dtype=torch.int64, device=device)    # this rank's, until written
         self.codes = torch.empty(self.rows, self.k, dtype=torch.int64, device=device)
         self.levels = torch.empty(len(members), LEVELS, device=device)
-        self.kept: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(members)   # `take`'s (positions, values)
         self.magnitude: torch.Tensor | None = None    # [G, h·w] staged |x|, chunk-major (`stage`)
         self.selected: torch.Tensor | None = None     # [G, k] flat positions of `select`'s top-k, until written
 
@@ -109,10 +107,10 @@ class _Group:
         self.idx.copy_(self._top(self.magnitude))
         self.selected = self.positions(self.idx, slice(None))                  # [G, k]
 
-    def take(self, j: int, x: torch.Tensor, magnitude: torch.Tensor) -> None:
-        """Member j's top-k (`select`'s when the group was selected, else its own now) and its
-        kept values from x (float32, contiguous, its shape), kept for `quantize`. `magnitude`:
-        flat float32 scratch >= x.numel()."""
+    def encode(self, j: int, x: torch.Tensor, magnitude: torch.Tensor) -> Sent:
+        """Member j's top-k (`select`'s when the group was selected, else its own now), codes and
+        levels from x (float32, contiguous, its shape), kept for `write`; what receivers decode
+        of them. `magnitude`: flat float32 scratch >= x.numel()."""
         rows = slice(self.first[j], self.first[j + 1])
         if self.selected is not None:                                           # its rows of self.idx: select's
             positions = self.selected[rows].view(-1)                            # [C·k]
@@ -120,44 +118,15 @@ class _Group:
             idx = self._top(self._chunk_major(j, x, magnitude[: x.numel()].view(-1, self.h * self.w)))   # [C, k]
             self.idx[rows] = idx
             positions = self.positions(idx, rows).view(-1)                      # [C·k]
-        # the kept values (index_select: about 2x torch.take's speed on CPU here)
-        self.kept[j] = (positions, x.view(-1).index_select(0, positions))
-
-    def quantize(self, members: list[int] | None = None) -> None:
-        """The 2-bit codes and levels of the taken members (default: all), one row per tensor:
-        one `quantize_rows` per member, or (`segmented`, the default off CPU) all of them in one
-        `quantize_segments`: a fixed number of kernels, the same codes and levels but for a
-        value on a bin's edge."""
-        members = range(len(self.members)) if members is None else members
-        if not self.segmented or len(members) == 1:
-            for j in members:
-                q, levels = quantize_rows(self.kept[j][1].view(1, -1))
-                self.codes[self.first[j]: self.first[j + 1]], self.levels[j] = q.view(-1, self.k), levels[0]
-            return
-        q, levels = quantize_segments(torch.cat([self.kept[j][1] for j in members]),
-                                      [self.kept[j][1].numel() for j in members])
-        at = 0
-        for j in members:
-            n = self.kept[j][1].numel()
-            self.codes[self.first[j]: self.first[j + 1]] = q[at: at + n].view(-1, self.k)
-            at += n
-        self.levels[list(members)] = levels
-
-    def sent(self, j: int) -> Sent:
-        """What receivers decode of member j's quantized values: x̂ = t_q at its positions."""
-        positions, _ = self.kept[j]
-        codes = self.codes[self.first[j]: self.first[j + 1]].view(-1)
-        return Sent(positions, self.levels[j].take(codes), None)
-
-    def encode(self, j: int, x: torch.Tensor, magnitude: torch.Tensor) -> Sent:
-        """Member j alone: `take`, `quantize`, `sent`."""
-        self.take(j, x, magnitude)
-        self.quantize([j])
-        return self.sent(j)
+        # the kept values (index_select: about 2x torch.take's speed on CPU here), one row: the tensor's
+        q, levels = quantize_rows(x.view(-1).index_select(0, positions).view(1, -1))
+        self.codes[rows], self.levels[j] = q.view(-1, self.k), levels[0]
+        # x̂ = t_q, as the codec decodes it
+        return Sent(positions, levels.view(-1).take(q.view(-1)), None)
 
     def write(self, payload: torch.Tensor) -> None:
         """Every member's indices, levels and codes into its payload span (a selection ends here)."""
-        self.selected, self.kept = None, [None] * len(self.members)
+        self.selected = None
         level_bytes = self.levels.view(torch.uint8).view(-1, LEVEL_BYTES)
         if self.aligned:
             index_streams = [pack_stream(part, bits) for part, (_, bits, _) in zip(self.coding.split(self.idx),
@@ -210,13 +179,8 @@ class FlatSparseLoCo:
     uint8 buffer (the module docstring). A sync: `encode(i, ...)` for every tensor, then
     `write`; a landing: `decode` once, then `mean(i, ...)` for every tensor."""
 
-    def __init__(self, compressor: SparseLoCoTopK, shapes: Sequence[tuple[int, ...]], device,
-                 segmented: bool | None = None):
-        """segmented: `quantize` a group's tensors in one call (default: off CPU, where a tensor
-        at a time is a few dozen kernel launches each); on CPU one at a time keeps the codes
-        exactly `SparseLoCoTopK`'s."""
+    def __init__(self, compressor: SparseLoCoTopK, shapes: Sequence[tuple[int, ...]], device):
         self.compressor, self.shapes, self.device = compressor, [tuple(s) for s in shapes], torch.device(device)
-        segmented = self.device.type != "cpu" if segmented is None else segmented
         self.payloads = spans(compressor.payload_nbytes(s) for s in self.shapes)
         self.place: dict[int, tuple[_Group, int]] = {}                         # tensor -> (its group, member j)
         geometry: dict[tuple[int, int, int], list[int]] = {}
@@ -227,11 +191,10 @@ class FlatSparseLoCo:
         self.groups = []
         for members in geometry.values():
             group = _Group(members, [compressor.plan(self.shapes[i]) for i in members],
-                           [self.payloads[i] for i in members], compressor, device, segmented)
+                           [self.payloads[i] for i in members], compressor, device)
             self.groups.append(group)
             self.place.update({i: (group, j) for j, i in enumerate(members)})
         self.alone = [i for i in range(len(self.shapes)) if i not in self.place]
-        self._alone_sent: dict[int, Sent] = {}                                 # `take` to `sent`
 
     @property
     def nbytes(self) -> int:
@@ -256,28 +219,6 @@ class FlatSparseLoCo:
             return self.compressor.encode_sent(x, self.payloads[i].of(payload), step)
         group, j = self.place[i]
         return group.encode(j, x, self.compressor.scratch(x.numel(), x.device))
-
-    def take(self, i: int, x: torch.Tensor, payload: torch.Tensor, step: int = 0) -> None:
-        """`encode` in three calls, so a group's values are quantized together: tensor i's top-k
-        and kept values (a tensor on its own: encoded, its bytes written now); then `quantize`
-        once; then `sent(i)` for each."""
-        if i not in self.place:
-            self._alone_sent[i] = self.compressor.encode_sent(x, self.payloads[i].of(payload), step)
-            return
-        group, j = self.place[i]
-        group.take(j, x, self.compressor.scratch(x.numel(), x.device))
-
-    def quantize(self) -> None:
-        """Every group's 2-bit codes and levels, after each of its tensors was taken."""
-        for group in self.groups:
-            group.quantize()
-
-    def sent(self, i: int) -> Sent:
-        """What receivers decode of tensor i, after `quantize`, as `encode_sent` gives it."""
-        if i not in self.place:
-            return self._alone_sent.pop(i)
-        group, j = self.place[i]
-        return group.sent(j)
 
     def write(self, payload: torch.Tensor) -> None:
         """The grouped tensors' bytes, after every one of them was encoded."""

@@ -248,13 +248,10 @@ class SparseLoCo(DiLoCo):
             x.add_(state["error"], alpha=self.error_decay)
             flat.stage(i, x)                                                   # |e| for TopK
         flat.select()
-        for i, ((_, p, _), elements) in enumerate(zip(layout, places)):
-            flat.take(i, elements.of(self._unsent).view(p.shape), exchange.payload, step)   # TopK(e)'s values
-        flat.quantize()
         for i, ((_, p, key), elements) in enumerate(zip(layout, places)):
             state, x = self.state[key], elements.of(self._unsent).view(p.shape)
             # Δ̂ = Q(TopK(e)): this rank's row of the message, and what receivers decode of it
-            sent = self._own_sent[i] = flat.sent(i)
+            sent = self._own_sent[i] = flat.encode(i, x, exchange.payload, step)
             # e' = e − Δ̂, committed when the sync lands
             _subtract_sent(x, sent)
             if self._eager_now:

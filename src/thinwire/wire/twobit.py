@@ -77,42 +77,6 @@ def _masked_bin_sums(q: torch.Tensor, x64: torch.Tensor) -> tuple[torch.Tensor, 
     return sums, hit.sum(dim=1, dtype=torch.float64)
 
 
-def quantize_segments(x: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rows` of every segment of x at once: x [N] holds S rows end to end, row s the
-    next lengths[s] >= 1 values -> (codes q [N] int64, levels t [S, 4] float32).
-
-    A fixed number of tensor operations whatever S is (on a GPU, a few dozen kernels where a
-    row at a time is a few dozen per row), deterministic on any device: each segment's sums are
-    differences of one float64 prefix sum (no atomics), so they equal `quantize_rows`' to
-    float64 rounding, and the codes and float32 levels with them but for a value on a bin's
-    edge. A segment holding NaN or inf makes the later segments' sums non-finite too: their
-    levels are NaN, as that segment's are (such a message is refused by every receiver either
-    way)."""
-    count = torch.tensor(lengths, dtype=torch.int64, device=x.device)                # n_s  [S]
-    segment = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), count)   # [N]
-    x64 = x.double()
-    mu = _segment_sums(x64, count) / count                                            # μ  [S]
-    centred = x64 - mu[segment]
-    sigma = (_segment_sums(centred.square(), count) / (count - 1).clamp(min=1)).sqrt()
-    width = sigma * (RANGE_SIGMAS / LEVELS)
-    width = torch.where((width > 0) & width.isfinite(), width, torch.ones_like(width))
-    q = (centred / width[segment] + LEVELS // 2).round_().clamp_(0, LEVELS - 1).nan_to_num_(0.0).long()
-    hit = q.unsqueeze(1) == torch.arange(LEVELS, device=x.device)                     # [N, L]
-    sums = _segment_sums(torch.where(hit, x64.unsqueeze(1), 0.0), count)              # [S, L]
-    counts = _segment_sums(hit.long(), count).double()
-    mu = mu.unsqueeze(1)
-    levels = torch.where(counts > 0, sums / counts.clamp(min=1), mu) + (mu - mu)
-    return q, levels.float()
-
-
-def _segment_sums(values: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """Σ of each segment of `values` ([N] or [N, L], segments of `count` rows end to end) from
-    one prefix sum: P[end] − P[start]."""
-    prefix = torch.cat([values.new_zeros(1, *values.shape[1:]), values.cumsum(dim=0)])
-    ends = count.cumsum(dim=0)
-    return prefix[ends] - prefix[ends - count]
-
-
 class TwoBitCodec(ValueCodec):
     """'2bit': four float32 levels per row, then 2-bit codes (the module docstring)."""
 
