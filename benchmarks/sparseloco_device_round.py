@@ -13,8 +13,10 @@ each step's end) of:
 - SparseLoCo (overlap, delay, eager; the same AdamW inside, default implementation).
 With one rank the landing decodes no other rank's row, so the table adds, apart, the decode and
 mean of a second row of the same message (`FlatSparseLoCo.decode` / `mean`), which a second
-rank would cost. It first checks that the compressor's bytes on the device equal its bytes on
-CPU for the same tensors (`FlatSparseLoCo.encode` / `write`), and that a decoded mean agrees.
+rank would cost. It first encodes the same tensors on CPU and twice on the device
+(`FlatSparseLoCo`, as SparseLoCo's sync does) and reports which tensors' bytes differ, whether
+only by a swap of equal magnitudes in the kept positions (top-k's tie-break), how far the decoded
+values are apart, and whether the device repeats its own bytes.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _timed(device, fn) -> float:
+    """Seconds `fn()` takes, the device idle before and after."""
     _sync(device)
     start = time.perf_counter()
     fn()
@@ -67,7 +70,8 @@ def check_bytes(model, args, device) -> str:
         for i, x in enumerate(xs):
             flat.stage(i, x.to(where))
         flat.select()
-        [flat.encode(i, x.to(where), payload) for i, x in enumerate(xs)]
+        for i, x in enumerate(xs):
+            flat.encode(i, x.to(where), payload)
         flat.write(payload)
         decoded = flat.decode([payload])[0]
         out.append((flat, payload.cpu(), {i: (p.cpu(), v.cpu()) for i, (p, v) in decoded.items()}))
@@ -77,7 +81,8 @@ def check_bytes(model, args, device) -> str:
     ties = all(_swapped_ties(xs[i].view(-1), da[i][0], db[i][0]) for i in moved)
     gap = max(float((da[i][1] - db[i][1]).abs().max() / da[i][1].abs().max()) for i in da if i not in moved)
     return (f"{device} against CPU: {len(differ)} of {len(xs)} tensors' bytes differ, {len(moved)} in their kept "
-            f"positions{' (only between equal magnitudes)' if ties else ' (NOT ONLY TIES)'}; decoded values within {gap:.2g} of the largest (relative); a second encode on {device}: "
+            f"positions{' (only between equal magnitudes)' if ties else ' (NOT ONLY TIES)'}; decoded values "
+            f"within {gap:.2g} of the largest (relative); a second encode on {device}: "
             f"{'the same bytes' if torch.equal(b, again) else 'OTHER BYTES'}")
 
 
@@ -109,6 +114,7 @@ def main() -> None:
     from thinwire import SparseLoCo
     from thinwire.train.config import get_preset
     from thinwire.train.model import build_model
+    from thinwire.train.probe import step_times
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("n-layer", 12), ("n-embd", 768), ("context", 1024), ("batch", 8), ("vocab", 50304),
                           ("sync-every", 5), ("delay", 4), ("topk", 32), ("chunk", 32), ("blocks", 10)):
@@ -140,9 +146,10 @@ def main() -> None:
     times = {name: [[] for _ in range(h)] for name in opts}
     for block in range(args.blocks + 2):
         for name, opt in opts.items():
-            for i in range(h):
-                ids = torch.randint(0, args.vocab, (args.batch, args.context + 1), generator=gen).to(device)
-                t = _timed(device, lambda: _train_step(models[name], opt, ids[:, :-1], ids[:, 1:], args.bf16))
+            ids = [torch.randint(0, args.vocab, (args.batch, args.context + 1), generator=gen).to(device)
+                   for _ in range(h)]
+            step = lambda x, y, model=models[name], opt=opt: _train_step(model, opt, x, y, args.bf16)
+            for i, t in enumerate(step_times(step, lambda i: (ids[i][:, :-1], ids[i][:, 1:]), h)):
                 if block >= 2:
                     times[name][i].append(t)
     sl = opts["sparseloco"]              # whole rounds ran: the last sync is in flight, its own rows kept
@@ -176,7 +183,7 @@ def report(times, h, delay, extra) -> None:
         label = name if name != "sparseloco" else f"sparseloco (sync at {sync + 1}, lands at {landing + 1})"
         print(f"| {label} | " + " | ".join(f"{1e3 * t:.1f}" for t in steps) + f" | {1e3 * sum(steps):.1f} |")
     round_ms = 1e3 * (sum(by["sparseloco"]) + extra)
-    print(f"| sparseloco + a second rank's decode and mean ({1e3 * extra:.1f}) | | | | | | {round_ms:.1f} |")
+    print(f"| sparseloco + a second rank's decode and mean ({1e3 * extra:.1f}) |" + " |" * h + f" {round_ms:.1f} |")
     for base in ("adamw", "adamw fused"):
         step = statistics.median(by[base])
         print(f"\nround / {h} x {base}'s step ({1e3 * step:.1f} ms): {round_ms / (1e3 * h * step):.3f}")
