@@ -79,7 +79,8 @@ def check_bytes(model, args, device) -> str:
     differ = [i for i, span in enumerate(flat.payloads) if not torch.equal(span.of(a), span.of(b))]
     moved = [i for i in da if not torch.equal(da[i][0].sort().values, db[i][0].sort().values)]
     ties = all(_swapped_ties(xs[i].view(-1), da[i][0], db[i][0]) for i in moved)
-    gap = max(float((da[i][1] - db[i][1]).abs().max() / da[i][1].abs().max()) for i in da if i not in moved)
+    gap = max((float((da[i][1] - db[i][1]).abs().max() / da[i][1].abs().max()) for i in da if i not in moved),
+              default=0.0)                                 # every tensor's kept positions moved: none to compare
     return (f"{device} against CPU: {len(differ)} of {len(xs)} tensors' bytes differ, {len(moved)} in their kept "
             f"positions{' (only between equal magnitudes)' if ties else ' (NOT ONLY TIES)'}; decoded values "
             f"within {gap:.2g} of the largest (relative); a second encode on {device}: "

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from thinwire.wire import TwoBitCodec, get_codec
+from thinwire.wire.twobit import _bin_sums, _masked_bin_sums, quantize_rows
 
 
 def reference_row(row: list[float]) -> tuple[list[int], list[float]]:
@@ -93,7 +94,6 @@ def test_low_precision_input_is_coded_like_its_float32_value():
 def test_masked_bin_sums_agree_with_the_reference_levels():
     """The off-CPU bin sums (masked reductions, run here on CPU) give every row's reference
     levels: the counts exactly, the sums to float64 rounding, so float32 levels alike."""
-    from thinwire.wire.twobit import _bin_sums, _masked_bin_sums, quantize_rows
     x = torch.cat([randn(3, 500, seed=1), torch.tensor([[5.0] * 500])]) * 1e-3  # the last row: one level
     q, levels = quantize_rows(x)
     sums, counts = _masked_bin_sums(q, x.double())
