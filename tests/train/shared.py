@@ -29,16 +29,25 @@ TRAIN = ["--preset", "tiny", "--steps", "8", "--eval-every", "4", "--eval-rows",
 def run_compare(out: Path, *args: str) -> dict:
     """`thinwire compare *args --out out --quiet`: summary.json, its rows by optimizer, each
     optimizer's log records by kind (step, eval, final) and the printed table."""
-    done = subprocess.run([sys.executable, "-m", "thinwire", "compare", *args, "--out", str(out), "--quiet"],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
+    return compare_result(start_compare(out, *args), out, *args)
+
+
+def start_compare(out: Path, *args: str) -> subprocess.Popen:
+    """run_compare's launch, started: `compare_result` waits for it and reads what it wrote."""
+    return subprocess.Popen([sys.executable, "-m", "thinwire", "compare", *args, "--out", str(out), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def compare_result(proc: subprocess.Popen, out: Path, *args: str) -> dict:
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr
     summary = json.loads((out / "summary.json").read_text())
     logs = {}
     for name in args[args.index("--optimizers") + 1].split(","):
         lines = [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
         logs[name] = {k: [r for r in lines if r["kind"] == k] for k in ("step", "eval", "final")}
     return {"summary": summary, "rows": {r["optimizer"]: r for r in summary["runs"]}, "logs": logs,
-            "stdout": done.stdout}
+            "stdout": stdout}
 
 
 def train_env(**extra) -> dict:
@@ -46,6 +55,19 @@ def train_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("THINWIRE_DIE_AT", "TORCHELASTIC_RESTART_COUNT")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     return env
+
+
+def start(cmd: list[str], die: str | None = None) -> subprocess.Popen:
+    """`cmd` started with train_env (and THINWIRE_DIE_AT=die), its output and errors captured
+    together: launches that do not depend on each other run side by side (`wait`)."""
+    env = train_env(**({"THINWIRE_DIE_AT": die} if die else {}))
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait(proc: subprocess.Popen, timeout: float = 240) -> subprocess.CompletedProcess:
+    """A `start`ed process, finished: as subprocess.run would have returned it."""
+    output = proc.communicate(timeout=timeout)[0]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, output)
 
 
 def run_train(out: Path, die: str | None = None) -> subprocess.CompletedProcess:

@@ -142,15 +142,16 @@ def test_entry_points_and_layers():
     import thinwire.train.__main__ as train_entry
     from thinwire.train import cli
     assert entry.main is cli.main and train_entry.main is cli.torchrun_main
-    for module in ("thinwire", "thinwire.train"):
-        done = subprocess.run([sys.executable, "-m", module, *(["train"] if module == "thinwire" else []), "--help"],
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0 and "--optimizer" in done.stdout, done.stderr
     probe = ("import sys, thinwire.train.cli, thinwire.train.__main__; "
              "print(sorted(m for m in sys.modules if m in ('thinwire.__main__', 'thinwire.train.run', "
              "'thinwire.train.worker', 'thinwire.train.model')))")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+    commands = [[sys.executable, "-m", "thinwire", "train", "--help"], [sys.executable, "-m", "thinwire.train", "--help"],
+                [sys.executable, "-c", probe]]
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]  # side by side
+    (help_a, err_a), (help_b, err_b), (loaded, err) = (p.communicate(timeout=120) for p in procs)
+    assert procs[0].returncode == 0 and "--optimizer" in help_a, err_a
+    assert procs[1].returncode == 0 and "--optimizer" in help_b, err_b
+    assert procs[2].returncode == 0 and loaded.strip() == "[]", loaded + err
 
 
 def test_dense_steps_and_the_probe_switch_reach_the_run_options():

@@ -21,39 +21,45 @@ import pytest
 import torch
 
 from tests.dist import run_workers
-from tests.train.shared import TRAIN, train_env
+from tests.train.shared import TRAIN, start, wait
 from thinwire.train.checkpoint import checkpoint_root, latest
 from thinwire.train.config import get_preset
 
 CASES = {"demo": (2, 3, 8), "lordo": (3, 2, 9)}       # optimizer: (old workers, new workers, steps)
 
 
-def _train(out: Path, optimizer: str, workers: int, steps: int, die: str | None = None) -> subprocess.CompletedProcess:
-    env = train_env(**({"THINWIRE_DIE_AT": die} if die else {}))
-    cmd = [sys.executable, "-m", "thinwire", "train", "--optimizer", optimizer, *TRAIN, "--workers", str(workers),
-           "--steps", str(steps), "--out", str(out), "--checkpoint-every", "4"]
-    return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+def _train(out: Path, optimizer: str, workers: int, steps: int, die: str | None = None) -> subprocess.Popen:
+    return start([sys.executable, "-m", "thinwire", "train", "--optimizer", optimizer, *TRAIN, "--workers",
+                  str(workers), "--steps", str(steps), "--out", str(out), "--checkpoint-every", "4"], die)
 
 
 @pytest.fixture(scope="module")
 def resumed(demo_never_killed, tmp_path_factory):
     """Per optimizer: (the out directory resumed at the new world size, its output, a copy of
-    the step-4 checkpoint it resumed from, written by the old world)."""
-    root, runs = tmp_path_factory.mktemp("elastic"), {}
-    for name, (old, new, steps) in CASES.items():
-        out = root / name
-        if name == "demo":                               # 2 workers, 8 steps: checkpoints 4 and 8
-            shutil.copytree(demo_never_killed, out)
-            shutil.rmtree(checkpoint_root(out) / "step-000008")
-        else:                                            # killed as it starts step 5: step 4 is the last
-            first = _train(out, name, old, steps, die="1:5")
-            assert first.returncode == 1, first.stdout[-3000:]
-        assert latest(checkpoint_root(out)).name == "step-000004"
-        saved = root / f"{name}-step-000004"
-        shutil.copytree(checkpoint_root(out) / "step-000004", saved)
-        again = _train(out, name, new, steps)
-        assert again.returncode == 0, again.stdout[-3000:]
-        runs[name] = (out, again.stdout, saved)
+    the step-4 checkpoint it resumed from, written by the old world). DeMo's resume runs beside
+    LoRDO's killed run."""
+    root = tmp_path_factory.mktemp("elastic")
+    outs, saved = {name: root / name for name in CASES}, {name: root / f"{name}-step-000004" for name in CASES}
+
+    def resume(name: str) -> subprocess.Popen:
+        _, new, steps = CASES[name]
+        assert latest(checkpoint_root(outs[name])).name == "step-000004"
+        shutil.copytree(checkpoint_root(outs[name]) / "step-000004", saved[name])
+        return _train(outs[name], name, new, steps)
+
+    shutil.copytree(demo_never_killed, outs["demo"])             # 2 workers, 8 steps: checkpoints 4 and 8
+    shutil.rmtree(checkpoint_root(outs["demo"]) / "step-000008")
+    old, _, steps = CASES["lordo"]
+    killed = _train(outs["lordo"], "lordo", old, steps, die="1:5")   # killed as it starts step 5: step 4 is the last
+    again = {"demo": resume("demo")}
+    first = wait(killed)
+    assert first.returncode == 1, first.stdout[-3000:]
+    again["lordo"] = resume("lordo")
+    runs = {}
+    for name, proc in again.items():
+        done = wait(proc)
+        assert done.returncode == 0, done.stdout[-3000:]
+        runs[name] = (outs[name], done.stdout, saved[name])
     return runs
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.dist import run_workers
-from tests.train.shared import train_env
+from tests.train.shared import start, wait
 from tests.train.test_elastic_resume import _mixed, _old_blobs, _weights
 from thinwire.train.checkpoint import checkpoint_root, latest
 from thinwire.train.config import get_preset
@@ -34,10 +34,8 @@ def _argv(name: str, sites: int, out: Path) -> list[str]:
     return ["train", "--optimizer", name, *FLAGS, "--workers", str(sites * P), "--sites", str(sites), "--out", str(out)]
 
 
-def _train(out: Path, name: str, sites: int, die: str | None = None) -> subprocess.CompletedProcess:
-    env = train_env(**({"THINWIRE_DIE_AT": die} if die else {}))
-    return subprocess.run([sys.executable, "-m", "thinwire", *_argv(name, sites, out)], env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+def _train(out: Path, name: str, sites: int, die: str | None = None) -> subprocess.Popen:
+    return start([sys.executable, "-m", "thinwire", *_argv(name, sites, out)], die)
 
 
 def _load_on_new_layout(rank: int, world: int, path: str, name: str) -> dict:
@@ -79,9 +77,9 @@ def runs(tmp_path_factory):
     copy of the step-2 checkpoint written by the old layout, what each new rank loads from it).
     Five launches: LoRDO on 1 x 2 killed as step 3 starts; on 2 x 2, LoRDO's step 2 loaded and
     DeMo's whole run written (its step-4 checkpoint then removed); DeMo resumed on 1 x 2 and
-    LoRDO on 2 x 2 by `thinwire train`; DeMo's step 2 loaded on 1 x 2."""
+    LoRDO on 2 x 2 by `thinwire train`, side by side with DeMo's step 2 loaded on 1 x 2."""
     root, saved, loaded, text = tmp_path_factory.mktemp("elastic_sites"), {}, {}, {}
-    first = _train(root / "lordo", "lordo", 1, die="0:3")
+    first = wait(_train(root / "lordo", "lordo", 1, die="0:3"))
     assert first.returncode == 1 and latest(checkpoint_root(root / "lordo")).name == "step-000002", first.stdout[-3000:]
     for name in CASES:
         saved[name] = root / f"{name}-step-000002"
@@ -91,11 +89,12 @@ def runs(tmp_path_factory):
                                                                   str(root / "demo")))
     shutil.copytree(checkpoint_root(root / "demo") / "step-000002", saved["demo"])
     shutil.rmtree(checkpoint_root(root / "demo") / f"step-{STEPS:06d}")
-    for name, (_, new) in CASES.items():
-        again = _train(root / name, name, new)
-        assert again.returncode == 0, again.stdout[-3000:]
-        text[name] = again.stdout
+    again = {name: _train(root / name, name, new) for name, (_, new) in CASES.items()}   # side by side
     loaded["demo"] = run_workers(_load_on_new_layout, P, args=(str(saved["demo"]), "demo"))
+    for name, proc in again.items():
+        done = wait(proc)
+        assert done.returncode == 0, done.stdout[-3000:]
+        text[name] = done.stdout
     return {name: (root / name, text[name], saved[name], loaded[name]) for name in CASES}
 
 

@@ -43,18 +43,23 @@ def _torchrun(out: Path, optimizer: str, restarts: int, env: dict) -> subprocess
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_sigkill_under_torchrun_restarts_and_ends_bit_identical(optimizer, tmp_path):
+def test_sigkill_under_torchrun_restarts_and_ends_bit_identical(optimizer, tmp_path, demo_never_killed):
+    """The run never killed: DeMo's is `thinwire train`'s (conftest: the same flags, the same
+    workers' code, launched by the harness), the others' under torchrun beside the killed one."""
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     steps = STEPS.get(optimizer, 8)
-    runs = [_torchrun(whole, optimizer, 0, train_env()),
-            _torchrun(killed, optimizer, 1, train_env(THINWIRE_DIE_AT=f"1:{steps - 2}"))]
+    runs = [_torchrun(killed, optimizer, 1, train_env(THINWIRE_DIE_AT=f"1:{steps - 2}"))]
+    if optimizer == "demo":
+        whole = demo_never_killed
+    else:
+        runs.append(_torchrun(whole, optimizer, 0, train_env()))
     outs = [p.communicate(timeout=240)[0] for p in runs]
     for p, text in zip(runs, outs):
         assert p.returncode == 0, text[-3000:]
-    assert "resuming" not in outs[0]
+    assert all("resuming" not in text for text in outs[1:])
     resumed = f"step-{steps - 4:06d}"
-    assert f"resuming {optimizer} from {checkpoint_root(killed) / resumed} (step {steps - 4} of {steps})" in outs[1], \
-        outs[1]
+    assert f"resuming {optimizer} from {checkpoint_root(killed) / resumed} (step {steps - 4} of {steps})" in outs[0], \
+        outs[0]
     a = read_model(checkpoint_root(whole) / f"step-{steps:06d}")
     b = read_model(checkpoint_root(killed) / f"step-{steps:06d}")
     assert a.keys() == b.keys() and a

@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.train.shared import train_env
+from tests.train.shared import start, wait
 from thinwire.train import cli
 from thinwire.train.checkpoint import checkpoint_root, read_model
 
@@ -40,25 +41,36 @@ def corpus(tmp_path_factory) -> dict:
             "vocab": tok.get_vocab_size()}
 
 
-def _train(corpus: dict, out: Path, die: str | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "thinwire", "train", "--optimizer", "demo", "--model", "llama", "--preset", "tiny",
-           "--data", str(corpus["data"]), "--tokenizer", str(corpus["tokenizer"]),
-           "--data-cache", str(corpus["root"] / "cache"), "--steps", "8", "--eval-every", "4", "--eval-rows", "16",
-           "--workers", "2", "--quiet", "--out", str(out), "--checkpoint-every", "4"]
-    env = train_env(**({"THINWIRE_DIE_AT": die} if die else {}))
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+def _train(corpus: dict, out: Path, die: str | None = None) -> subprocess.Popen:
+    return start([sys.executable, "-m", "thinwire", "train", "--optimizer", "demo", "--model", "llama", "--preset",
+                  "tiny", "--data", str(corpus["data"]), "--tokenizer", str(corpus["tokenizer"]), "--data-cache",
+                  str(corpus["root"] / "cache"), "--steps", "8", "--eval-every", "4", "--eval-rows", "16",
+                  "--workers", "2", "--quiet", "--out", str(out), "--checkpoint-every", "4"], die)
+
+
+def _cached(corpus: dict, proc: subprocess.Popen) -> list[Path]:
+    """The cache's manifests once `proc` has written one: a cache is written in a hidden
+    directory, its manifest last, then renamed into place, so a visible one is whole."""
+    while not (manifests := [m for m in (corpus["root"] / "cache").glob("*/manifest.json")
+                             if not m.parent.name.startswith(".")]):
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.05)
+    return manifests
 
 
 def test_llama_on_tokenised_jsonl_killed_and_rerun_resumes_bit_for_bit(corpus, tmp_path):
-    whole = _train(corpus, tmp_path / "whole")
-    assert whole.returncode == 0, whole.stderr
-    manifests = list((corpus["root"] / "cache").glob("*/manifest.json"))
-    assert len(manifests) == 1                                 # tokenised once, cached
+    """The run never killed tokenises the records; the killed run starts from its cache, beside it."""
+    first = _train(corpus, tmp_path / "whole")
+    manifests = _cached(corpus, first)
     written = manifests[0].stat().st_mtime_ns
-    killed = _train(corpus, tmp_path / "killed", die="1:6")    # rank 1 SIGKILLed as step 6 starts
+    killed = wait(_train(corpus, tmp_path / "killed", die="1:6"))    # rank 1 SIGKILLed as step 6 starts
     assert killed.returncode != 0
     rerun = _train(corpus, tmp_path / "killed")
-    assert rerun.returncode == 0, rerun.stderr
+    whole = wait(first)
+    assert whole.returncode == 0, whole.stdout[-3000:]
+    rerun = wait(rerun)
+    assert rerun.returncode == 0, rerun.stdout[-3000:]
+    assert len(manifests) == 1                                 # tokenised once, cached
     a = read_model(checkpoint_root(tmp_path / "whole") / "step-000008")
     b = read_model(checkpoint_root(tmp_path / "killed") / "step-000008")
     assert "lm.model.layers.0.self_attn.k_proj.weight" in a      # the transformers model was trained
