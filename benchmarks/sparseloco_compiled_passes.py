@@ -1,6 +1,6 @@
 """What torch.compile (inductor, C++ on CPU) would take off SparseLoCo's dense passes on `wan`.
 
-    python benchmarks/sparseloco_compiled_passes.py [--preset wan] [--chunk 32] [--repeats 30]
+    python benchmarks/sparseloco_compiled_passes.py [--preset wan] [--chunk 32] [--topk 32] [--repeats 30]
 
 SparseLoCo's sync costs about 1.3 dense AdamW steps a round on `wan` (docs/results/
 2026-11-26-sparseloco-round11.md); most of it is passes over every parameter. This script times,
@@ -24,31 +24,35 @@ import time
 import torch
 from apmsqueeze_bench import median_seconds   # this folder's
 
+from thinwire.compress.sparseloco_topk import Sent
+from thinwire.ops.select import _group_size
+from thinwire.optim.sparseloco import _difference, _subtract_sent
+
 BETA = 0.95          # SparseLoCo's default error decay
-GROUPS = 4           # the two-level selection's g for 32 of 1024 (thinwire.ops.select._group_size)
 
 
-def front_library(anchor, p, err, x, mag, h, w):
-    """The library's passes: sub into x, add_ e, |x| chunk-major, group maxima (int32 view)."""
+def front_library(anchor, p, err, x, mag, h, w, g):
+    """The library's passes: Δ into x, + β e, |x| chunk-major, group maxima (int32 view, g per group)."""
     rows, cols = p.shape
-    torch.sub(anchor, p, out=x)
+    _difference(anchor, p, out=x)
     x.add_(err, alpha=BETA)
     torch.abs(x.view(rows // h, h, cols // w, w).permute(0, 2, 1, 3), out=mag.view(rows // h, cols // w, h, w))
-    return mag.view(torch.int32).view(-1, GROUPS, h * w // GROUPS).amax(dim=1)
+    return mag.view(torch.int32).view(-1, g, h * w // g).amax(dim=1)
 
 
-def front_fused(anchor, p, err, h: int, w: int):
+def front_fused(anchor, p, err, h: int, w: int, g: int):
     rows, cols = p.shape
     x = anchor - p + BETA * err
     # [R, C] -> [gr, h, gc, w] -> [gr, gc, h, w] -> [chunks, g, h·w/g]
-    mag = x.view(rows // h, h, cols // w, w).permute(0, 2, 1, 3).abs().reshape(-1, GROUPS, h * w // GROUPS)
+    mag = x.view(rows // h, h, cols // w, w).permute(0, 2, 1, 3).abs().reshape(-1, g, h * w // g)
     return x, mag.amax(dim=1)
 
 
 def jump_library(p, anchor, kept, launched, positions, values):
+    """SparseLoCo._encode's eager jump: θ kept, θ ← θ₀ − Δ̂ (`_subtract_sent`), θ_s kept."""
     kept.copy_(p)
     p.copy_(anchor)
-    p.view(-1).index_add_(0, positions, values.neg())
+    _subtract_sent(p, Sent(positions, values, None), 1.0)
     launched.copy_(p)
 
 
@@ -69,23 +73,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="wan")
     parser.add_argument("--chunk", type=int, default=32)
+    parser.add_argument("--topk", type=int, default=32, help="values kept per chunk (sets the selection's groups)")
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(1)
     h = w = args.chunk
+    g = _group_size(h * w, args.topk)
     shapes = _shapes(args.preset, args.chunk)
     tensors = [{name: torch.randn(shape) for name in ("anchor", "p", "err", "x", "mean", "kept", "launched")}
                for shape in shapes]
     for t, shape in zip(tensors, shapes):
         n = shape[0] * shape[1]
         t["mag"] = torch.empty(n)
-        t["positions"] = torch.randperm(n)[: n // 32].sort().values
-        t["values"] = torch.randn(n // 32)
+        t["positions"] = torch.randperm(n)[: n * args.topk // (h * w)].sort().values
+        t["values"] = torch.randn(t["positions"].numel())
     compiled = {name: torch.compile(fn, dynamic=False) for name, fn in
                 (("front", front_fused), ("jump", jump_library), ("landing", landing_library))}
     cases = {
-        "front": (lambda t: front_library(t["anchor"], t["p"], t["err"], t["x"], t["mag"], h, w),
-                  lambda t: compiled["front"](t["anchor"], t["p"], t["err"], h, w)),
+        "front": (lambda t: front_library(t["anchor"], t["p"], t["err"], t["x"], t["mag"], h, w, g),
+                  lambda t: compiled["front"](t["anchor"], t["p"], t["err"], h, w, g)),
         "jump": (lambda t: jump_library(t["p"], t["anchor"], t["kept"], t["launched"], t["positions"], t["values"]),
                  lambda t: compiled["jump"](t["p"], t["anchor"], t["kept"], t["launched"], t["positions"],
                                             t["values"])),
@@ -97,7 +103,8 @@ def main() -> None:
         for t in tensors:
             fused(t)
     compile_s = time.perf_counter() - start
-    print(f"{args.preset}: {len(shapes)} tensors, {sum(a * b for a, b in shapes):,} values, chunks {h} x {w}")
+    print(f"{args.preset}: {len(shapes)} tensors, {sum(a * b for a, b in shapes):,} values, chunks {h} x {w}, "
+          f"top-{args.topk} (groups of {g})")
     print("| passes | library (torch ops) ms | compiled ms |\n|---|---|---|")
     for name, (library, fused) in cases.items():
         ms = [1e3 * median_seconds(lambda f=f: [f(t) for t in tensors], args.repeats) for f in (library, fused)]

@@ -36,7 +36,6 @@ def suite_at(request):
     session's tests need starts at once, the spawned ones beside the world of one this process
     runs (alone, that one keeps one core busy): about 41 s for worlds 1-3 against 52 s one after
     another on 2 cores."""
-    done, started = {}, {}
     mine = [item for item in request.session.items if item.module is request.module and hasattr(item, "callspec")]
     worlds = sorted({item.callspec.params["world"] for item in mine if "world" in item.callspec.params})
 
@@ -46,11 +45,12 @@ def suite_at(request):
         except Exception as exc:  # every test of this world fails with it, none spawns again
             return exc
 
+    pool = ThreadPoolExecutor(max(1, len(worlds)))
+    started = {w: pool.submit(result, w) for w in worlds if w > 1}
+    pool.shutdown(wait=False)
+    done = {}
+
     def at(world):
-        if not started:
-            pool = ThreadPoolExecutor(max(1, len(worlds)))
-            started.update({w: pool.submit(result, w) for w in worlds if w > 1})
-            pool.shutdown(wait=False)
         if world not in done:
             done[world] = started[world].result() if world in started else result(world)
         if isinstance(done[world], Exception):

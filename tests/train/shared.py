@@ -72,7 +72,5 @@ def wait(proc: subprocess.Popen, timeout: float = 240) -> subprocess.CompletedPr
 
 def run_train(out: Path, die: str | None = None) -> subprocess.CompletedProcess:
     """`thinwire train` of DeMo with TRAIN's flags, checkpointed every 4 steps; `die`: THINWIRE_DIE_AT."""
-    env = train_env(**({"THINWIRE_DIE_AT": die} if die else {}))
-    cmd = [sys.executable, "-m", "thinwire", "train", "--optimizer", "demo", *TRAIN, "--out", str(out),
-           "--checkpoint-every", "4"]
-    return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    return wait(start([sys.executable, "-m", "thinwire", "train", "--optimizer", "demo", *TRAIN, "--out", str(out),
+                       "--checkpoint-every", "4"], die))
