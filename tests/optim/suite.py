@@ -17,6 +17,7 @@ import torch
 from tests.dist import outcome_of, run_workers
 from tests.optim import problem
 from tests.optim.registry import CONFIGS
+from thinwire.integrations import CollectiveCounter
 
 STEPS, RESUME_AT, BAD_STEP = 12, 6, 5     # three syncs at K = 4, a resume and a bad gradient mid-interval
 
@@ -104,11 +105,14 @@ def case_run(name, rank, dtype=torch.float32):
     fresh_opt = build(list(fresh.parameters()))
     fresh_opt.load_state_dict(saved["opt"])
     loaded = _state_dtypes(fresh_opt.state_dict())
-    train(fresh_opt, fresh, rank, resume_at, steps, end=steps)
+    at_load, handed = fresh_opt.comm_stats.payload_bytes, CollectiveCounter()
+    with handed:                                   # every byte the resumed run hands to torch.distributed
+        train(fresh_opt, fresh, rank, resume_at, steps, end=steps)
     return {"params": flat(model), "resumed": flat(fresh), "undisturbed": undisturbed, "log": log,
             "loss_before": before, "loss_after": problem.eval_loss(model.float()) if before else None,
             "state_dtypes": (dtypes, loaded), "shapes": [tuple(p.shape) for p in model.parameters()],
-            "by_tag": _by_tag(opt), "resumed_by_tag": _by_tag(fresh_opt)}
+            "by_tag": _by_tag(opt), "resumed_by_tag": _by_tag(fresh_opt),
+            "resumed_counted": fresh_opt.comm_stats.payload_bytes - at_load, "resumed_handed": handed.bytes()}
 
 
 def _state_dtypes(state_dict: dict) -> dict:

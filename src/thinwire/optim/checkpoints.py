@@ -7,8 +7,10 @@ survives a checkpoint.
     load_state_dict()  an exchange still in flight here is completed and dropped (`_drain`),
                        the state loaded, and a loaded step in flight kept for `_resume`, which
                        the next step() / flush() / start_step() / finish_step() calls: it sends
-                       that step's message again (the exchange's `resume`) and restores the
-                       counters, which counted its bytes when it was first sent
+                       that step's message again (the exchange's `resume`), counted again:
+                       the counters count what this process hands to torch.distributed, so a
+                       resumed run's totals exceed an uninterrupted one's by that message
+                       (nothing for ReduceAll, whose saved sum is not sent again)
 
 The step in flight (`InFlight`) is saved as: the exchange's `checkpoint()` (the buffers its
 start sent from, or ReduceAll's sum), the parameters this rank had no gradient for (their
@@ -91,7 +93,7 @@ class EnvelopeCheckpoints:
             record.exchange.finish(record.step)
 
     def _resume(self) -> None:
-        """A loaded step in flight is sent again, as it was sent before the checkpoint."""
+        """A loaded step in flight is sent again, as it was sent before the checkpoint (and counted)."""
         saved, self._pending = self._pending, None
         if saved is None:
             return
@@ -102,9 +104,7 @@ class EnvelopeCheckpoints:
         snapshot = {layout[int(i)].key: [t.clone() for t in views] for i, views in saved["absent"].items()}
         record = InFlight(step, layout, exchange, snapshot, copy.deepcopy(saved["hyper"]))
         self._load_pending_state(record, saved["algorithm"])
-        counted = self.comm.stats.state_dict()
-        exchange.resume(saved["message"])
-        self.comm.stats.load_state_dict(counted)    # its bytes were counted when it was first sent
+        exchange.resume(saved["message"])        # counted: these bytes cross the wire again
         self._inflight = record
         if saved["exact"] is not None:           # the parameters hold the lookahead: the exact ones
             self._saved, self._looked_ahead = [t.clone() for t in saved["exact"]], layout
