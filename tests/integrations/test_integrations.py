@@ -5,7 +5,9 @@ them: the check can fail), DeMo trains through it with replicas bit-identical, a
 bit, where the framework default (rank 0's optimizer file on every rank) does not; a
 `CollectiveCounter` sees DDP's gradient all-reduce in backward (the bytes of every gradient,
 each step) and none under `keep_gradients_local`, and the optimizer's own bytes as its
-`comm_stats` counts them."""
+`comm_stats` counts them. In one process: a `PerRankState` entry names its rank, run and
+layout, and one of another rank, another run (same settings, another seed) or another layout
+(LoRDO into DeMo) is refused naming both, before anything changes."""
 
 from __future__ import annotations
 
@@ -96,7 +98,8 @@ def _resume_case(rank, world, path, name):
     _train(other, sgd, rank, 0, 1)
     sgd_blob = PerRankState(sgd).state_dict()
     try:
-        three = {**sgd_blob, "world": world + 1, "ranks": sgd_blob["ranks"] + sgd_blob["ranks"][:1]}
+        three = {**sgd_blob, "world": world + 1, "ranks": sgd_blob["ranks"] + sgd_blob["ranks"][:1],
+                 "identities": sgd_blob["identities"] + sgd_blob["identities"][:1]}
         PerRankState(sgd).load_state_dict(three)
         refused = None
     except ValueError as err:
@@ -116,13 +119,24 @@ def _same_state(a, b) -> bool:
     return True
 
 
-def _buffers_case() -> str | None:
-    with_buffers = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+def _refused(build) -> str | None:
     try:
-        keep_gradients_local(DistributedDataParallel(with_buffers))
+        build()
     except ValueError as err:
         return str(err)
     return None
+
+
+def _buffers_case() -> dict:
+    """keep_gradients_local on a DDP that syncs buffers every forward (refused, or stopped when
+    asked: by forward_sync_buffers, then no sync before a forward) and one that looks for unused
+    parameters (refused)."""
+    with_buffers = lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    stopped = keep_gradients_local(DistributedDataParallel(with_buffers()), stop_buffer_sync=True)
+    return {"buffers": _refused(lambda: keep_gradients_local(DistributedDataParallel(with_buffers()))),
+            "stopped": (stopped.forward_sync_buffers, stopped.will_sync_module_buffers()),
+            "unused": _refused(lambda: keep_gradients_local(
+                DistributedDataParallel(_model(), find_unused_parameters=True)))}
 
 
 def _wire_case(rank, steps=3):
@@ -214,8 +228,13 @@ def test_per_rank_state_of_two_ranks_loads_on_one_by_the_interval_rule(ranks, na
         assert not all(torch.equal(a, b) for a, b in zip(first, second))
 
 
-def test_a_ddp_that_broadcasts_buffers_every_forward_is_refused(ranks):
-    assert "broadcast_buffers=False" in ranks[0]["buffers"]
+def test_a_ddp_that_broadcasts_buffers_every_forward_is_refused_or_stopped(ranks):
+    assert "broadcast_buffers=False" in ranks[0]["buffers"]["buffers"]
+    assert ranks[0]["buffers"]["stopped"] == (False, False)           # the flag off, and no sync before a forward
+
+
+def test_a_ddp_that_finds_unused_parameters_is_refused(ranks):
+    assert "find_unused_parameters=True" in ranks[0]["buffers"]["unused"]
 
 
 def test_collective_counter_sees_ddp_gradients_in_backward_and_none_when_local(ranks):
@@ -248,11 +267,63 @@ def test_collective_counter_counts_what_a_rank_sends(ranks):
         assert other["barrier"]["bytes"] == 0 and other["barrier"]["calls"] == 1
 
 
+def _blob(make, seed=0):
+    """A one-rank PerRankState checkpoint of `make`'s optimizer after one step, and that optimizer."""
+    torch.manual_seed(seed)
+    model = _model()
+    opt = make(model.parameters())
+    _loss(model, 0, 0).backward()
+    opt.step()
+    return PerRankState(opt).state_dict(), opt
+
+
+def test_per_rank_state_names_whose_state_each_entry_is(ranks):
+    blob = ranks[0]["demo"]["blob"]
+    assert [i["rank"] for i in blob["identities"]] == [0, 1] and {i["world"] for i in blob["identities"]} == {2}
+    assert blob["run"] and {i["run"] for i in blob["identities"]} == {blob["run"]}      # agreed: rank 0's token
+    assert blob["run"] != ranks[0]["diloco"]["blob"]["run"]                              # another run, another id
+
+
+def test_per_rank_state_refuses_another_ranks_state_naming_both():
+    blob, _ = _blob(OPTIMIZERS["demo"])
+    blob["identities"][0] = {**blob["identities"][0], "rank": 1}          # rank 1's state where rank 0's belongs
+    fresh = PerRankState(OPTIMIZERS["demo"](_model().parameters()))
+    before = copy.deepcopy(fresh.optimizer.state_dict())
+    with pytest.raises(ValueError, match=r"holds rank 1 of 1 in run .*; this is rank 0 of 1 .*another rank's state"):
+        fresh.load_state_dict(blob)
+    assert _same_state(before, fresh.optimizer.state_dict())                # nothing changed
+
+
+def test_per_rank_state_refuses_another_runs_state_naming_both():
+    """Same settings, another seed: a file of another run, refused once this run has its id
+    (it saved before, or a helper took it from the checkpoint's commit mark)."""
+    mine, opt = _blob(OPTIMIZERS["demo"], seed=0)
+    other, _ = _blob(OPTIMIZERS["demo"], seed=1)
+    assert mine["run"] != other["run"]
+    with pytest.raises(ValueError, match=rf"run {other['run']}.*this is rank 0 of 1 in run {mine['run']}.*another run"):
+        PerRankState(opt).load_state_dict(other)
+    PerRankState(opt).load_state_dict(mine)                               # its own run's loads
+
+
+def test_per_rank_state_refuses_another_layout():
+    """A LoRDO run's state into a DeMo run: another optimizer and layout, refused before the
+    DeMo optimizer or the parameters change."""
+    from thinwire import LoRDO
+    lordo, _ = _blob(lambda ps: LoRDO(ps, lr=1e-2, rank=2, sync_every=2))
+    demo = PerRankState(OPTIMIZERS["demo"](_model().parameters()), params=True)
+    with pytest.raises(ValueError, match=r"\(LoRDO, layout \w+\); this is .*\(DeMo, layout \w+\).*another optimizer"):
+        demo.load_state_dict(lordo)
+    assert torch.equal(_flat(_model()), torch.cat([p.detach().reshape(-1) for p in demo._own_params()]))
+    with pytest.raises(ValueError, match="older thinwire, without per-rank identities"):
+        demo.load_state_dict({**lordo, "version": None})        # a checkpoint from before identities
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="takes a torch.optim.Optimizer"):
         PerRankState(object())
     with pytest.raises(ValueError, match="takes a DistributedDataParallel"):
         keep_gradients_local(torch.nn.Linear(2, 2))
+
     with pytest.raises(ValueError, match="attribute takes a torch.optim.Optimizer"):
         CollectiveCounter().attribute(object())
     with pytest.raises(ValueError, match="not a PerRankState checkpoint"):

@@ -10,7 +10,8 @@ Per framework, each importing only its own optional extra (loaded on first use):
 
     from thinwire.integrations import ThinwireTrainer        # transformers.Trainer   [hf]
     from thinwire.integrations import ThinwireDDPStrategy    # lightning.pytorch      [lightning]
-    (Accelerate needs only the pieces above: examples/accelerate_train.py)
+    (Accelerate needs only the pieces above, and save_state / load_state / latest_complete:
+     checkpoints that are complete or absent, accelerate_state.py; examples/accelerate_train.py)
 
 Frameworks (Hugging Face Trainer, Accelerate, Lightning) wrap the model in DDP, which
 all-reduces every gradient in backward, and save the optimizer's state from rank 0 only.
@@ -22,6 +23,8 @@ beside the model (Accelerate's `register_for_checkpointing`, a Lightning callbac
 a Trainer callback).
 """
 
+from .accelerate_state import load_state, save_state
+from .commit import latest_complete
 from .ddp import keep_gradients_local, local_gradients_hook
 from .shutdown import end_worker
 from .state import PerRankState
@@ -32,8 +35,8 @@ from .wire import CollectiveCounter
 _FRAMEWORKS = {"ThinwireTrainer": "hf_trainer", "ThinwireCallback": "hf_trainer",
                "ThinwireDDPStrategy": "lightning", "check_lightning_version": "lightning"}
 
-__all__ = ["CollectiveCounter", "PerRankState", "end_worker", "keep_gradients_local", "local_gradients_hook",
-           *_FRAMEWORKS]
+__all__ = ["CollectiveCounter", "PerRankState", "end_worker", "keep_gradients_local", "latest_complete",
+           "load_state", "local_gradients_hook", "save_state", *_FRAMEWORKS]
 
 
 def __getattr__(name: str):

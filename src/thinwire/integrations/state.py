@@ -23,6 +23,15 @@ Another world size: a checkpoint of W ranks loads on W' ranks for a thinwire opt
 new rank taking `thinwire.optim.elastic.remap` of the W saved states (the interval rule of
 docs/design.md, "Elastic"; each rank's own parameters mixed by the same rule); a torch
 optimizer's per-rank state is refused there.
+
+Whose state: every entry carries an `identity` (thinwire.integrations.commit: rank, world,
+run id, layout fingerprint). The run id is agreed on the first `state_dict()` of a fresh run
+(one broadcast) and adopted from the checkpoint by `load_state_dict`; an entry on the wrong
+rank, of another run (when this optimizer's run is known: it saved before, or a helper such
+as `load_state` set it from the commit mark) or of another layout (a LoRDO state into a
+DeMo run) is refused with a ValueError naming both, before anything changes. At another world
+size only the optimizer's class is compared (the layout's description names the world).
+Checkpoints written before identities existed are refused (`VERSION`).
 """
 
 from __future__ import annotations
@@ -30,7 +39,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .commit import adopt_run_id, agree_run_id, check_identity, identity, rank_and_world, run_id
+
 FORMAT = "thinwire-per-rank-optimizer-state"
+VERSION = 2                      # 2: every entry carries its identity
 
 
 def _to_cpu(obj):
@@ -43,12 +55,6 @@ def _to_cpu(obj):
     return obj
 
 
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 class PerRankState:
     """A checkpointable view of `optimizer` that keeps every rank's state (module docstring)."""
 
@@ -59,46 +65,67 @@ class PerRankState:
             from ..optim.periodic import PeriodicAveraging
             params = isinstance(optimizer, PeriodicAveraging)
         self.optimizer, self.params = optimizer, bool(params)
+        self.source = "this PerRankState checkpoint"      # how refusals name the file (a helper sets it)
 
     def _own_params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def state_dict(self) -> dict:
-        """{"format", "world", "ranks": [rank r's optimizer.state_dict() for r < world]}; a
-        collective: every rank calls it, every rank gets the whole."""
-        rank, world = _rank_and_world()
+        """{"format", "version", "world", "run", "ranks": [rank r's optimizer.state_dict() for
+        r < world], "identities": [rank r's identity]}; a collective: every rank calls it, every
+        rank gets the whole."""
+        rank, world = rank_and_world()
+        run = agree_run_id(self.optimizer)
         mine = _to_cpu(self.optimizer.state_dict())
         if self.params:
             mine = {"optimizer": mine, "params": [_to_cpu(p) for p in self._own_params()]}
-        ranks = [mine]
+        entries = [(identity(self.optimizer, rank, world, run), mine)]
         if world > 1:
-            ranks = [None] * world
-            dist.all_gather_object(ranks, mine)
-        return {"format": FORMAT, "world": world, "ranks": ranks}
+            entries = [None] * world
+            dist.all_gather_object(entries, (identity(self.optimizer, rank, world, run), mine))
+        return {"format": FORMAT, "version": VERSION, "world": world, "run": run,
+                "ranks": [state for _, state in entries], "identities": [ident for ident, _ in entries]}
+
+    def check(self, saved: dict) -> None:
+        """ValueError, naming `self.source` and this rank, for a `saved` this rank must not load
+        (module docstring); nothing changes."""
+        rank, world = rank_and_world()
+        if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+            raise ValueError("not a PerRankState checkpoint (no thinwire per-rank format marker)")
+        if saved.get("version") != VERSION:
+            raise ValueError(f"{self.source} was written by an older thinwire, without per-rank identities: "
+                             f"whose state each entry is cannot be checked; resume it with that version")
+        if not len(saved["ranks"]) == len(saved["identities"]) == saved["world"]:
+            raise ValueError(f"{self.source} says {saved['world']} ranks but holds {len(saved['ranks'])} states")
+        known = run_id(self.optimizer)            # None on a fresh resume: the checkpoint's run is taken
+        if saved["world"] == world:
+            mine = identity(self.optimizer, rank, world, known or saved["run"])
+            check_identity(saved["identities"][rank], mine, self.source)
+        elif saved["identities"][0]["optimizer"] != type(self.optimizer).__name__:
+            raise ValueError(f"{self.source} holds {saved['identities'][0]['optimizer']} states; this run's "
+                             f"optimizer is {type(self.optimizer).__name__}")
+        elif known not in (None, saved["run"]):
+            raise ValueError(f"{self.source} is of run {saved['run']}; this run is {known}")
 
     def load_state_dict(self, saved: dict) -> None:
         """Load this rank's own entry of `saved` (a `state_dict()`; of another world size: mapped
-        by `remap`, module docstring) into the optimizer; ValueError for anything it cannot
-        load, before the optimizer changes."""
-        rank, world = _rank_and_world()
-        if not isinstance(saved, dict) or saved.get("format") != FORMAT:
-            raise ValueError("not a PerRankState checkpoint (no thinwire per-rank format marker)")
-        if len(saved["ranks"]) != saved["world"]:
-            raise ValueError(f"this checkpoint says {saved['world']} ranks but holds {len(saved['ranks'])} states")
+        by `remap`, module docstring) into the optimizer, and continue its run; ValueError for
+        anything it cannot load (`check`), before the optimizer changes."""
+        rank, world = rank_and_world()
+        self.check(saved)
         own = saved["ranks"][rank] if saved["world"] == world else self._remapped(saved["ranks"], rank, world)
         if self.params != ("params" in own and "optimizer" in own):
             raise ValueError(f"this checkpoint was saved {'with' if not self.params else 'without'} each rank's "
                              f"parameters and this PerRankState is built {'with' if self.params else 'without'}")
-        if not self.params:
-            self.optimizer.load_state_dict(own)
-            return
         params = self._own_params()
-        if len(own["params"]) != len(params) or [tuple(t.shape) for t in own["params"]] != [tuple(p.shape) for p in params]:
+        if self.params and [tuple(t.shape) for t in own["params"]] != [tuple(p.shape) for p in params]:
             raise ValueError("the checkpoint's parameters do not have this optimizer's parameter shapes")
-        self.optimizer.load_state_dict(own["optimizer"])
-        with torch.no_grad():
-            for p, saved_p in zip(params, own["params"]):
-                p.copy_(saved_p)
+        self.optimizer.load_state_dict(own["optimizer"] if self.params else own)
+        adopt_run_id(self.optimizer, saved["run"])
+        if self.params:
+            with torch.no_grad():
+                for p, saved_p in zip(params, own["params"]):
+                    p.copy_(saved_p)
 
     def _remapped(self, ranks: list, rank: int, world: int) -> dict:
         """This rank's entry for a run of `world` ranks, mapped from the saved ranks' entries."""
