@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.dist import run_workers
-from thinwire.train.checkpoint import (CheckpointError, check, checkpoint_root, complete, expected_meta, latest,
-                                       read_model)
+from thinwire.train.checkpoint import (CheckpointError, check, check_resumable, checkpoint_root, complete,
+                                       expected_meta, latest, read_model, skipped)
 from thinwire.train.config import get_preset
 from thinwire.train.run import compare
 
@@ -110,6 +110,29 @@ def test_truncated_checkpoint_is_a_clear_error_and_the_previous_one_loads(interr
     assert "resuming demo from" in capsys.readouterr().err
     a, b = read_model(checkpoint_root(whole) / "step-000008"), read_model(last)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_names_each_incomplete_checkpoint_it_skips(interrupted, tmp_path, capsys):
+    """Folders `latest` leaves out, newer than what it takes: one line on stderr says which,
+    why, and the step taken instead (a .tmp never renamed: test_faults.py's killed run)."""
+    whole, _ = interrupted
+    root = checkpoint_root(tmp_path)
+    shutil.copytree(checkpoint_root(whole), root)
+    (root / "step-000008" / "thinwire.json").unlink()             # a folder without its metadata
+    shutil.copytree(root / "step-000004", root / "step-000012.tmp")
+    (root / "step-000012.tmp" / "thinwire.json").unlink()         # a write that never finished
+    (root / "step-000002.tmp").mkdir()                            # older than what is taken: not named
+    cfg = get_preset("tiny", **TINY)
+    check_resumable(tmp_path, cfg, "demo", 3e-3, 2)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == ("thinwire: skipped incomplete checkpoint step-000008 (no thinwire.json: its metadata was "
+                        "never written or was removed); step-000012.tmp (no thinwire.json, 3 file(s) written: a rank "
+                        "stopped while writing it); resuming from step-000004 (step 4)")
+    assert "resuming demo from" in lines[1] and "(step 4 of 8)" in lines[1]
+    check_resumable(tmp_path, cfg, "demo", 3e-3, 2, announce=False)            # ranks other than 0 say nothing
+    assert capsys.readouterr().err == ""
+    shutil.rmtree(root / "step-000004")
+    assert skipped(root).endswith("; no complete one: starting afresh")
 
 
 def test_incompatible_checkpoint_names_what_differs(interrupted):

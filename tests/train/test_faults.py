@@ -4,8 +4,9 @@ parameters as a run never interrupted (bit for bit); a worker that dies or goes 
 nothing to restart it makes every survivor exit with an error naming the step, within the
 peer timeout; a truncated checkpoint is a clear error naming the previous one, which reads.
 
-Faults are injected by THINWIRE_DIE_AT="rank:step[:stop]" (train/worker.py): that rank
-SIGKILLs (or SIGSTOPs) itself as it starts that step, on torchrun's first attempt only.
+Faults are injected by THINWIRE_DIE_AT="rank:step[:stop|:save]" (train/worker.py): that rank
+SIGKILLs (or SIGSTOPs) itself as it starts that step, or SIGKILLs itself inside that step's
+checkpoint write before writing its shard (save), on torchrun's first attempt only.
 DeMo and one optimizer of each other family: APMSqueeze, EF21-Muon, LoRDO.
 """
 
@@ -139,20 +140,30 @@ def never_killed(demo_never_killed):
     return read_model(checkpoint_root(demo_never_killed) / "step-000008")
 
 
-def test_thinwire_train_killed_then_run_again_ends_bit_identical(never_killed, tmp_path):
+def test_thinwire_train_killed_while_writing_a_checkpoint_then_run_again_ends_bit_identical(never_killed, tmp_path):
     """The issue's acceptance run: `thinwire train ... --checkpoint-every N --out D`, a worker
-    killed mid-run, then the same command again: the final parameters of a run never killed."""
+    killed in the middle of writing checkpoint 8 (rank 0 wrote its shard, rank 1 is SIGKILLed
+    before writing its own), then the same command again: it skips the half-written
+    step-000008.tmp saying why, takes step 4, and ends with the parameters of a run never killed."""
     killed = tmp_path / "killed"
-    first = run_train(killed, die="1:6")
+    root = checkpoint_root(killed)
+    first = run_train(killed, die="1:8:save")
     assert first.returncode == 1, first.stdout[-3000:]
     assert "thinwire: error: worker 1 of 2 died (signal SIGKILL)" in first.stdout
-    assert "thinwire: error: rank 0 of 2: step 6: a peer died" in first.stdout      # the survivor's own error
+    assert "thinwire: error: rank 0 of 2: step 8: a peer died" in first.stdout      # the survivor's own error
     assert "Run the same command again to resume" in first.stdout
+    half = root / "step-000008.tmp"
+    assert (half / "__0_0.distcp").is_file() and not (half / "__1_0.distcp").exists()   # one rank wrote
+    assert not (root / "step-000008").exists() and latest(root).name == "step-000004"
     again = run_train(killed)
     assert again.returncode == 0, again.stdout[-3000:]
+    skip = [line for line in again.stdout.splitlines() if "skipped incomplete checkpoint" in line]
+    assert skip == ["thinwire: skipped incomplete checkpoint step-000008.tmp (no thinwire.json, 1 file(s) written: "
+                    "a rank stopped while writing it); resuming from step-000004 (step 4)"], again.stdout[-3000:]
     assert "resuming demo from" in again.stdout and "(step 4 of 8)" in again.stdout
-    b = read_model(checkpoint_root(killed) / "step-000008")
+    b = read_model(root / "step-000008")
     assert never_killed.keys() == b.keys() and all(torch.equal(never_killed[k], b[k]) for k in b)
+    assert not list(root.glob("*.tmp"))                          # the resumed run's own write replaced it
 
 
 def test_killing_thinwire_train_itself_kills_its_workers_and_the_same_command_resumes(tmp_path):

@@ -29,7 +29,9 @@ with the same ranks per site: each new rank reads the old ranks that held its sh
 old site (another number of ranks per site is refused, naming both). DCP
 writes into `step-NNNNNN.tmp`; rank 0 renames it once every rank has written and the
 metadata is on disk, so a crash mid-write leaves the previous checkpoint as the latest
-complete one. The newest `keep` complete checkpoints are kept.
+complete one; resuming then says on stderr, in one line, which incomplete folder it skipped,
+why, and which step it takes instead (`skipped`). The newest `keep` complete checkpoints are
+kept.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -83,6 +86,23 @@ def complete(root: str | os.PathLike) -> list[Path]:
 def latest(root: str | os.PathLike) -> Path | None:
     done = complete(root)
     return done[-1] if done else None
+
+
+def skipped(root: str | os.PathLike) -> str | None:
+    """One line naming each incomplete step folder (a `.tmp` never renamed, or one without its
+    metadata) at or past the latest complete checkpoint under `root`, why it is incomplete,
+    and the step a resume takes instead; None when there is none."""
+    root, taken = Path(root), latest(root)
+    names = {p: _step_of(p.with_name(p.name.removesuffix(".tmp"))) for p in (root.iterdir() if root.is_dir() else ())}
+    found = sorted((step, p) for p, step in names.items() if step is not None and p.is_dir()
+                   and not (p / META).is_file() and step >= (_step_of(taken) if taken else 0))
+    if not found:
+        return None
+    why = lambda p: (f"no {META}, {len(list(p.iterdir()))} file(s) written: a rank stopped while writing it"  # noqa: E731
+                     if p.name.endswith(".tmp") else f"no {META}: its metadata was never written or was removed")
+    instead = f"resuming from {taken.name} (step {_step_of(taken)})" if taken else "no complete one: starting afresh"
+    return "thinwire: skipped incomplete checkpoint " + "; ".join(f"{p.name} ({why(p)})" for _, p in found) + \
+        f"; {instead}"
 
 
 def _shapes(model: torch.nn.Module) -> dict[str, list[int]]:
@@ -161,7 +181,10 @@ def check_resumable(out_dir: str | os.PathLike, cfg, optimizer: str, lr: float, 
     """CheckpointError naming what differs or is corrupt unless the latest complete checkpoint
     under <out>/checkpoint (if any) can be resumed by this run: called before any worker starts
     (`thinwire train`, and every rank under torchrun). `announce`: say on stderr where it resumes."""
-    path = latest(checkpoint_root(out_dir))
+    root = checkpoint_root(out_dir)
+    path, line = latest(root), skipped(root)
+    if announce and line:
+        print(line, file=sys.stderr, flush=True)
     if path is not None:
         meta = check(path, expected_meta(cfg, optimizer, lr, world))
         if announce and meta.get("world", world) == world:      # another world: rank 0 says how it maps
@@ -203,9 +226,11 @@ def _barrier() -> None:
 
 
 def save(root: str | os.PathLike, step: int, model, built, sched, meta: dict, rank: int, keep: int = 2,
-         extra: dict | None = None) -> Path:
+         extra: dict | None = None, before_write: Callable[[], None] | None = None) -> Path:
     """Write step `step`'s checkpoint under `root` (every rank calls this); its final path.
-    `extra`: this rank's own picklable values (the loop's per-step byte counts), back from load()."""
+    `extra`: this rank's own picklable values (the loop's per-step byte counts), back from load().
+    `before_write`, a test hook: called on this rank once DCP has planned the write, before
+    this rank writes its shard (train/worker.py's THINWIRE_DIE_AT=rank:step:save kills it there)."""
     import torch.distributed.checkpoint as dcp
     root = Path(root)
     final, tmp = root / f"step-{step:06d}", root / f"step-{step:06d}.tmp"
@@ -213,7 +238,7 @@ def save(root: str | os.PathLike, step: int, model, built, sched, meta: dict, ra
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    dcp.save(_state(model, built, sched, rank, True, extra), checkpoint_id=str(tmp))
+    dcp.save(_state(model, built, sched, rank, True, extra), storage_writer=_writer(tmp, before_write))
     _barrier()
     if rank == 0:
         files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
@@ -231,6 +256,18 @@ def save(root: str | os.PathLike, step: int, model, built, sched, meta: dict, ra
             shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     return final
+
+
+def _writer(path: Path, before_write: Callable[[], None] | None):
+    """DCP's FileSystemWriter for `path`, calling `before_write` first when it writes this rank's shard."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class Writer(FileSystemWriter):
+        def write_data(self, plan, planner):
+            if before_write is not None:
+                before_write()
+            return super().write_data(plan, planner)
+    return Writer(str(path))
 
 
 def _shapes_of(model, meta: dict) -> dict:

@@ -208,7 +208,8 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
                 val = rec["val_loss"]
                 bar.note(val)
             if checkpoint_dir and ((checkpoint_every and step % checkpoint_every == 0) or step == cfg.steps):
-                save(checkpoint_dir, step, model, built, sched, meta, rank, extra={"inter_steps": inter_steps})
+                save(checkpoint_dir, step, model, built, sched, meta, rank, extra={"inter_steps": inter_steps},
+                     before_write=_die_in_save(rank, step))
             _pace()
         after = _probes(built, adamw, batches)
         probes = {name: calibrate(before[name], after[name]) for name in before}
@@ -309,16 +310,30 @@ def _kept(record: dict, done: int) -> bool:
     return record.get("kind") != "final" and record.get("step", 0) <= done
 
 
-def _maybe_die(rank: int, step: int) -> None:
-    """Fault injection for tests: THINWIRE_DIE_AT="rank:step" SIGKILLs that rank as it starts
-    that step ("rank:step:stop" SIGSTOPs it: a silent peer), on a first attempt only
-    (torchrun's TORCHELASTIC_RESTART_COUNT unset or 0)."""
+def _fault(rank: int, step: int) -> str | None:
+    """Fault injection for tests: THINWIRE_DIE_AT="rank:step[:how]" names that rank's fault at
+    that step: "kill" (the default: SIGKILL as it starts the step), "stop" (SIGSTOP there: a
+    silent peer) or "save" (SIGKILL inside that step's checkpoint write, before its own shard
+    is written: `_die_in_save`); on a first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT
+    unset or 0). None: no fault here."""
     spec = os.environ.get("THINWIRE_DIE_AT")
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
+        return None
     who, when, *how = spec.split(":")
-    if int(who) == rank and int(when) == step:
-        os.kill(os.getpid(), signal.SIGSTOP if how == ["stop"] else signal.SIGKILL)
+    return (how or ["kill"])[0] if int(who) == rank and int(when) == step else None
+
+
+def _maybe_die(rank: int, step: int) -> None:
+    how = _fault(rank, step)
+    if how in ("kill", "stop"):
+        os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
+
+
+def _die_in_save(rank: int, step: int):
+    """checkpoint.save's `before_write` hook for THINWIRE_DIE_AT="rank:step:save", else None."""
+    if _fault(rank, step) == "save":
+        return lambda: os.kill(os.getpid(), signal.SIGKILL)
+    return None
 
 
 def _pace() -> None:
