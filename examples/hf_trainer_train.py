@@ -3,9 +3,9 @@ rank's state in the checkpoints. Trains a tiny random-init Llama on the stdlib's
 (nothing downloaded).
 
     torchrun --nproc-per-node 2 examples/hf_trainer_train.py --optimizer demo --out runs/hf
-    torchrun --nproc-per-node 2 examples/hf_trainer_train.py --save-at 10 --kill-after-save --out runs/a
-    torchrun --nproc-per-node 2 examples/hf_trainer_train.py --resume runs/a/checkpoint-10 --out runs/b
-    torchrun --nproc-per-node 2 examples/hf_trainer_train.py --resume last --out runs/a   # resume_from_checkpoint=True
+    torchrun --nproc-per-node 2 examples/hf_trainer_train.py --save-at 5 --kill-mid-save 10 --out runs/a
+    torchrun --nproc-per-node 2 examples/hf_trainer_train.py --resume last --out runs/a   # takes checkpoint-5
+    torchrun --nproc-per-node 2 examples/hf_trainer_train.py --resume runs/a/checkpoint-5 --out runs/b
     torchrun --nproc-per-node 2 examples/hf_trainer_train.py --count --out runs/c    # every collective, wire-rank*.json
     torchrun --nproc-per-node 2 examples/hf_trainer_train.py --plain-ddp --count --out runs/d   # Trainer's defaults
 
@@ -13,7 +13,9 @@ What thinwire needs from a Trainer script, in the lines marked "thinwire:": `Thi
 instead of `Trainer`, the optimizer built after TrainingArguments (which initialises
 torch.distributed) and passed in `optimizers=(opt, None)` (the scheduler comes from
 TrainingArguments), and `ddp_broadcast_buffers=False` (plus
-`ddp_find_unused_parameters=False`: no used-parameter map all-reduced in backward). Gradient
+`ddp_find_unused_parameters=False`: no used-parameter map all-reduced in backward; left unset,
+ThinwireTrainer sets both so). A checkpoint is complete only once every rank wrote its state
+(`--kill-mid-save` cuts one in the middle: `--resume last` then takes the one before). Gradient
 accumulation, clipping of the local gradient (`max_grad_norm`), checkpoints every
 `save_steps` and `resume_from_checkpoint` are Trainer's own. `--plain-ddp` runs a plain
 `Trainer` with the same arguments (DDP all-reduces every gradient, rank 0's optimizer state
@@ -27,10 +29,10 @@ import contextlib
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from thinwire import DeMo, LoRDO
@@ -59,16 +61,20 @@ class Windows(torch.utils.data.Dataset):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
-class KillAfterSave(TrainerCallback):
-    """After the checkpoint at `step` is written on every rank (each rank's on_save has run:
-    the barrier), every rank SIGKILLs itself: a real kill, no clean shutdown."""
+class KillMidSave(TrainerCallback):
+    """At the checkpoint of `step`, once rank 0 has written its thinwire state there, rank 1
+    SIGKILLs itself before writing its own: a real crash in the middle of a checkpoint. Passed
+    in `callbacks=`, so it runs before ThinwireTrainer's own on_save."""
 
     def __init__(self, step: int):
         self.step = step
 
     def on_save(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            dist.barrier()
+        if state.global_step == self.step and args.process_index == 1:
+            written = Path(args.output_dir) / f"checkpoint-{self.step}" / "thinwire-rank0.pt"
+            deadline = time.monotonic() + 120
+            while not written.is_file() and time.monotonic() < deadline:
+                time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -77,8 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--optimizer", default="demo", choices=list(OPTIMIZERS))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--save-at", type=int, default=0, help="checkpoint every this many steps (0: never)")
-    p.add_argument("--kill-after-save", action="store_true", help="every rank SIGKILLs itself after that checkpoint")
-    p.add_argument("--resume", help="a checkpoint directory, or 'last': the newest one in --out")
+    p.add_argument("--save-total-limit", type=int, help="Trainer's save_total_limit")
+    p.add_argument("--kill-mid-save", type=int, default=0, help="rank 1 dies while the checkpoint at this step is written")
+    p.add_argument("--resume", help="a checkpoint directory, or 'last': the newest complete one in --out")
     p.add_argument("--plain-ddp", action="store_true", help="a plain Trainer: the dense all-reduce stays")
     p.add_argument("--count", action="store_true", help="count every collective (wire-rank<r>.json)")
     p.add_argument("--out", required=True)
@@ -92,7 +99,8 @@ def training_arguments(args) -> TrainingArguments:
         ddp_find_unused_parameters=False,                         # thinwire: no used-parameter map in backward
         max_steps=args.steps, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=1.0,
         lr_scheduler_type="cosine", warmup_steps=4, logging_steps=10, dataloader_num_workers=0,
-        save_strategy="steps" if args.save_at else "no", save_steps=args.save_at or 500)
+        save_strategy="steps" if args.save_at else "no", save_steps=args.save_at or 500,
+        save_total_limit=args.save_total_limit)
 
 
 def build_model() -> LlamaForCausalLM:
@@ -109,9 +117,8 @@ def main(argv=None) -> None:
     opt = OPTIMIZERS[args.optimizer](list(model.parameters()))   # thinwire: after it (its peers are the world)
     trainer_class = Trainer if args.plain_ddp else ThinwireTrainer   # thinwire: ThinwireTrainer
     trainer = trainer_class(model=model, args=targs, train_dataset=Windows(load_corpus(None)[0]),
-                            optimizers=(opt, None))               # thinwire: the optimizer; the scheduler from targs
-    if args.kill_after_save:
-        trainer.add_callback(KillAfterSave(args.save_at))         # after ThinwireCallback: its files are written
+                            optimizers=(opt, None),               # thinwire: the optimizer; the scheduler from targs
+                            callbacks=[KillMidSave(args.kill_mid_save)] if args.kill_mid_save else None)
     counter = CollectiveCounter().attribute(opt) if args.count else None
     resume = True if args.resume == "last" else args.resume
     with counter if counter is not None else contextlib.nullcontext():

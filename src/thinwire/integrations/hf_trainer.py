@@ -37,22 +37,30 @@ checkpoints live elsewhere). Relies on the order of Trainer's private training l
 
 from __future__ import annotations
 
+import inspect
 import os
+import sys
 
 import torch
 import transformers
+from accelerate.utils import DistributedDataParallelKwargs
 from packaging.version import Version
 from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..optim.base import CommunicatingOptimizer
 from ..optim.periodic import PeriodicAveraging
+from .commit import (adopt_run_id, agree_run_id, check_complete, check_identity, commit, fingerprint, identity,
+                     latest_complete, rotate, uncommit)
 from .ddp import keep_gradients_local
 from .state import _to_cpu
 
 TESTED = ("5.0", "6.0")          # [low, high), refused outside; 5.24.0 is the version tested
 FORMAT = "thinwire-hf-trainer-rank-state"
+VERSION = 2                      # 2: the file names whose state it is (`identity`)
+# torch >= 2.13 names DDP's per-forward buffer sync forward_sync_buffers and warns on broadcast_buffers
+FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
 
 
 def rank_file(checkpoint: str, rank: int) -> str:
@@ -72,27 +80,60 @@ def check_trainer(args, optimizer) -> None:
     if args.world_size > 1 and optimizer.comm.group is None:
         raise ValueError("the optimizer was built before torch.distributed was initialised, so it trains alone: "
                          "build it after TrainingArguments(...), which initialises the process group")
-    if args.ddp_broadcast_buffers is not False:
-        raise ValueError("TrainingArguments(ddp_broadcast_buffers=False) is required: DDP would broadcast rank 0's "
-                         "buffers before every forward (Llama's rotary frequencies are buffers)")
+    if args.ddp_broadcast_buffers:
+        raise ValueError("TrainingArguments(ddp_broadcast_buffers=True) is refused: DDP would broadcast rank 0's "
+                         "buffers before every forward (Llama's rotary frequencies are buffers); leave it unset "
+                         "or False")
+    check_find_unused(args)
     for name in ("deepspeed", "fsdp", "load_best_model_at_end"):
         if getattr(args, name, None):
             raise ValueError(f"TrainingArguments({name}=...) is not supported with a thinwire optimizer")
 
 
+def check_find_unused(args) -> None:
+    if args.ddp_find_unused_parameters:
+        raise ValueError("TrainingArguments(ddp_find_unused_parameters=True) is refused: DDP would all-reduce its "
+                         "used-parameter map in backward; leave it unset (ThinwireTrainer sets it off) or False")
+
+
 class ThinwireCallback(TrainerCallback):
-    """The callback of the module docstring; `trainer.train` must set `resume_from` to the
-    checkpoint it resumes from (ThinwireTrainer does)."""
+    """The callback of the module docstring; `begin(checkpoint)` must run on every rank before
+    Trainer's training loop (ThinwireTrainer.train calls it)."""
 
     def __init__(self, trainer: Trainer):
         optimizer = trainer.optimizer
         check_trainer(trainer.args, optimizer)
         self.trainer, self.optimizer = trainer, optimizer
-        self.resume_from: str | None = None
+        self._saved: dict | None = None              # this rank's checked state, loaded at train begin
+        self._began = False
         self._hooked: DistributedDataParallel | None = None
 
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _identity(self, run: str | None) -> dict:
+        args = self.trainer.args
+        return identity(self.optimizer, args.process_index, args.world_size, run)
+
+    def begin(self, checkpoint: str | None) -> None:
+        """Before Trainer loads anything: a fresh run agrees on its run id (a broadcast); a resume
+        checks that `checkpoint` is complete and that this rank's file there is its own, of
+        that checkpoint's run and layout (ValueError naming both otherwise), and keeps it."""
+        self._began, self._saved = True, None
+        if checkpoint is None:
+            agree_run_id(self.optimizer)
+            return
+        mark = check_complete(checkpoint)
+        path = rank_file(checkpoint, self.trainer.args.process_index)
+        if not os.path.isfile(path):
+            raise ValueError(f"{checkpoint} is marked complete but has no {os.path.basename(path)}: "
+                             f"not written by ThinwireTrainer")
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if saved.get("format") != FORMAT or saved.get("version") != VERSION:
+            raise ValueError(f"{path} is not a ThinwireTrainer rank file of this version")
+        check_identity(saved["identity"], self._identity(mark["run"]), path)
+        adopt_run_id(self.optimizer, mark["run"])
+        self._saved = saved
 
     def on_train_begin(self, args, state, control, **kwargs):
         wrapped = self.trainer.model_wrapped
@@ -100,26 +141,19 @@ class ThinwireCallback(TrainerCallback):
             raise ValueError(f"Trainer wrapped the model in {type(wrapped).__name__}, not DistributedDataParallel: "
                              f"thinwire's Trainer integration supports DDP only")
         if isinstance(wrapped, DistributedDataParallel) and wrapped is not self._hooked:
-            self._hooked = keep_gradients_local(wrapped)   # a second train() may reuse the hooked DDP
-        if self.resume_from is not None:
-            self._load(self.resume_from, args.process_index, args.world_size)
-        elif state.global_step > 0:                              # Trainer resumed, nobody told us from where
-            raise ValueError("Trainer resumed from a checkpoint but ThinwireCallback.resume_from is unset: "
-                             "every rank would keep rank 0's optimizer state; resume through ThinwireTrainer.train")
-
-    def _load(self, checkpoint: str, rank: int, world: int) -> None:
-        path = rank_file(checkpoint, rank)
-        if not os.path.isfile(path):
-            raise ValueError(f"{checkpoint} has no {os.path.basename(path)}: not saved by ThinwireTrainer, or cut "
-                             f"before every rank wrote its state; rank {rank}'s optimizer state is not recoverable")
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        if saved.get("format") != FORMAT or saved["world"] != world:
-            raise ValueError(f"{path} was saved by {saved.get('world')} ranks, this run has {world}")
-        self.optimizer.load_state_dict(saved["optimizer"])       # after Trainer loaded rank 0's
-        if saved["params"] is not None:                          # LoRDO/DiLoCo: this rank's replica
-            with torch.no_grad():
-                for p, own in zip(self._params(), saved["params"], strict=True):
-                    p.copy_(own)
+            # a second train() may reuse the hooked DDP; the sync is stopped by its current name
+            self._hooked = keep_gradients_local(wrapped, stop_buffer_sync=True)
+        if not self._began:
+            raise ValueError("Trainer started without ThinwireCallback.begin: every rank would keep rank 0's "
+                             "optimizer state on a resume; train through ThinwireTrainer.train")
+        self._began = False
+        if self._saved is not None:
+            self.optimizer.load_state_dict(self._saved["optimizer"])       # after Trainer loaded rank 0's
+            if self._saved["params"] is not None:                          # LoRDO/DiLoCo: this rank's replica
+                with torch.no_grad():
+                    for p, own in zip(self._params(), self._saved["params"], strict=True):
+                        p.copy_(own)
+            self._saved = None
 
     def on_save(self, args, state, control, **kwargs):
         checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
@@ -127,11 +161,17 @@ class ThinwireCallback(TrainerCallback):
         params = None
         if isinstance(self.optimizer, PeriodicAveraging):
             params = [_to_cpu(p) for p in self._params()]
-        blob = {"format": FORMAT, "world": args.world_size, "optimizer": _to_cpu(self.optimizer.state_dict()),
-                "params": params}
+        run = agree_run_id(self.optimizer)                       # agreed in begin(): no collective here
+        blob = {"format": FORMAT, "version": VERSION, "identity": self._identity(run),
+                "optimizer": _to_cpu(self.optimizer.state_dict()), "params": params}
         path = rank_file(checkpoint, args.process_index)
         torch.save(blob, path + ".tmp")
         os.replace(path + ".tmp", path)                          # a kill mid-write leaves no half file
+        commit(checkpoint, {"run": run, "world": args.world_size, "step": state.global_step,
+                            "fingerprint": fingerprint(self.optimizer)})
+        if args.process_index == 0:
+            best = state.best_model_checkpoint
+            rotate(args.output_dir, PREFIX_CHECKPOINT_DIR, args.save_total_limit, keep=(best,) if best else ())
 
     def on_train_end(self, args, state, control, **kwargs):
         self.optimizer.flush()
@@ -147,9 +187,39 @@ class ThinwireTrainer(Trainer):
         self.thinwire = ThinwireCallback(self)
         self.add_callback(self.thinwire)
 
+    def _build_accelerator_args(self, **kwargs) -> dict:
+        """Trainer's DDP settings, as thinwire needs them: find_unused_parameters off (refused
+        when asked for), and no broadcast_buffers where DDP has forward_sync_buffers (the
+        per-forward sync is stopped by that name in `keep_gradients_local`: no FutureWarning)."""
+        check_find_unused(self.args)                             # runs inside Trainer.__init__
+        built = super()._build_accelerator_args(**kwargs)
+        for handler in built.get("kwargs_handlers", []):
+            if isinstance(handler, DistributedDataParallelKwargs):
+                handler.find_unused_parameters = False
+                if FORWARD_SYNC:
+                    handler.broadcast_buffers = DistributedDataParallelKwargs.broadcast_buffers   # not passed
+        return built
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Trainer's save, with this rank's old commit mark removed first and Trainer's rotation
+        left to `on_save`, after the commit (Trainer's would run before every rank has written)."""
+        uncommit(os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"))
+        limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        path = resume_from_checkpoint
+        """Trainer's train. `resume_from_checkpoint=True` takes the newest *complete* checkpoint
+        (one line on stderr for each newer incomplete one skipped); a path to an incomplete one
+        is refused (ValueError naming the newest complete one)."""
+        path = resume_from_checkpoint or None
         if path is True:
-            path = get_last_checkpoint(self.args.output_dir)     # as Trainer resolves it (it raises on None)
-        self.thinwire.resume_from = path or None
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+            path = latest_complete(self.args.output_dir, PREFIX_CHECKPOINT_DIR)
+            if path is None:
+                raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir}")
+        self.thinwire.begin(path)
+        if path is not None and self.args.process_index == 0:
+            print(f"thinwire: resuming from {path}", file=sys.stderr, flush=True)
+        return super().train(path, *args, **kwargs)
