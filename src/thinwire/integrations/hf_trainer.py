@@ -1,5 +1,5 @@
 """Hugging Face `transformers.Trainer` with a thinwire optimizer: no dense gradient all-reduce,
-every rank's own optimizer state in the checkpoints.
+every rank's own optimizer state in the checkpoints, and checkpoints complete or absent.
 
     from thinwire import DeMo
     from thinwire.integrations.hf_trainer import ThinwireTrainer
@@ -11,28 +11,42 @@ every rank's own optimizer state in the checkpoints.
 Under torchrun, Trainer wraps the model in DDP (all-reduces every gradient in backward) and
 checkpoints rank 0's optimizer.state_dict(), which it loads on every rank. `ThinwireTrainer`
 adds a callback (`ThinwireCallback`, usable on its own with a reference to the trainer):
+- `train` (before Trainer loads anything): a fresh run agrees on its run id (rank 0's token,
+  one broadcast); a resume checks that the checkpoint is complete and that this rank's
+  `thinwire-rank{r}.pt` there names this rank, the checkpoint's run and this layout
+  (thinwire.integrations.commit; ValueError naming the file and both sides otherwise). The
+  resumed run keeps the checkpoint's run id. `resume_from_checkpoint=True` takes the newest
+  *complete* checkpoint, with one line on stderr for each newer incomplete one it skips; a path
+  to an incomplete one is refused, naming the newest complete one.
 - on_train_begin (Trainer has wrapped the model and, on a resume, loaded rank 0's
-  optimizer.pt): `keep_gradients_local(trainer.model_wrapped)`, then, on a resume, this rank's
-  own state from `thinwire-rank{r}.pt` (LoRDO/DiLoCo: its own parameters too, copied over
-  the loaded model). The RNG is Trainer's, already saved and restored per rank.
-- on_save (every rank, after Trainer wrote checkpoint-N): each rank writes its own
-  `optimizer.state_dict()` to checkpoint-N/thinwire-rank{r}.pt. No collective anywhere here,
-  so nothing can wait on a rank that does not come. Under overlap=True the state records the
-  step in flight and a resume sends it again: nothing is flushed before a save (a flush would
-  land that step early and change the run).
+  optimizer.pt): `keep_gradients_local(trainer.model_wrapped, stop_buffer_sync=True)`, then,
+  on a resume, this rank's own state (LoRDO/DiLoCo: its own parameters too, copied over the
+  loaded model). The RNG is Trainer's, already saved and restored per rank.
+- on_save (every rank, after Trainer wrote checkpoint-N): each rank writes its own state to
+  checkpoint-N/thinwire-rank{r}.pt, then `commit`: a barrier on the default group (a dead
+  peer makes gloo raise; it does not hang) and rank 0's commit mark, last. Trainer's rotation
+  (`save_total_limit`) runs there, after the commit, and never deletes the newest complete
+  checkpoint or a newer one (Trainer's own runs before the rank files exist: held back). Under
+  overlap=True the state records the step in flight and a resume sends it again: nothing is
+  flushed before a save (a flush would land that step early and change the run).
 - on_train_end: `optimizer.flush()` (a collective every rank reaches), so the final model
   holds the step still in flight under overlap=True.
+DDP settings: `ddp_find_unused_parameters=True` is refused (DDP would all-reduce its
+used-parameter map in backward); left unset (Trainer's default turns it on for a
+PreTrainedModel) it is set off. `ddp_broadcast_buffers=True` is refused; unset or False, the
+per-forward buffer sync is switched off through DDP's current name for it
+(`forward_sync_buffers`, torch >= 2.13), and `broadcast_buffers` is not passed to DDP (torch
+warns that it is deprecated); with an older torch it is passed as before. Buffers are then
+synced once, when DDP is built (replicas start equal, as thinwire requires anyway).
 The scheduler is TrainingArguments' (`optimizers=(opt, None)`); gradient accumulation
 accumulates locally (one step() per optimizer step); `max_grad_norm` clips each rank's *local*
-gradient. With `ddp_find_unused_parameters` True (Trainer's default for a PreTrainedModel)
-DDP still all-reduces its used-parameter map in backward (4 bytes per parameter tensor, no
-gradient): set it False unless the model has parameters some forward leaves unused.
-Not supported (ValueError): an optimizer built before TrainingArguments (which initialises
-torch.distributed; it would train alone), DeepSpeed, FSDP, load_best_model_at_end (it loads
-rank 0's model on every rank), ddp_broadcast_buffers not False, a resume that bypasses
-`ThinwireTrainer.train` or changes the world size. Nor hyperparameter search (its
-checkpoints live elsewhere). Relies on the order of Trainer's private training loop
-(above), tested on transformers 5.24.0; other versions outside TESTED are refused.
+gradient. Not supported (ValueError): an optimizer built before TrainingArguments (which
+initialises torch.distributed; it would train alone), DeepSpeed, FSDP,
+load_best_model_at_end (it loads rank 0's model on every rank), a resume that bypasses
+`ThinwireTrainer.train` or changes the world size, checkpoints written before rank files
+named their run (no commit mark: refused as incomplete). Nor hyperparameter search (its
+checkpoints live elsewhere). Relies on the order of Trainer's private training loop (above),
+tested on transformers 5.24.0; other versions outside TESTED are refused.
 """
 
 from __future__ import annotations
