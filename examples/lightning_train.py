@@ -4,16 +4,20 @@ checkpoint. Trains the harness's tiny GPT on the stdlib's source (nothing downlo
     torchrun --nproc-per-node 2 examples/lightning_train.py --optimizer demo --steps 20 --out runs/pl
     torchrun --nproc-per-node 2 examples/lightning_train.py --save-at 10 --out runs/a     # checkpoint every 10
     torchrun --nproc-per-node 2 examples/lightning_train.py --resume runs/a/step-10.ckpt --out runs/b
+    torchrun --nproc-per-node 2 examples/lightning_train.py --save-at 5 --kill-in-save 10 --out runs/k
+    torchrun --nproc-per-node 2 examples/lightning_train.py --save-at 5 --resume last --out runs/k  # from step 5
     torchrun --nproc-per-node 2 examples/lightning_train.py --count --out runs/c     # every collective, wire-rank*.json
     torchrun --nproc-per-node 2 examples/lightning_train.py --plain-ddp --count --out runs/d   # DDPStrategy()
 
 What thinwire needs from Lightning is one line, marked "thinwire:" below: the strategy
 `ThinwireDDPStrategy()` (DDP keeps gradients local, checkpoints hold every rank's optimizer
-state, the optimizer is flushed when fitting ends). `configure_optimizers` returns a thinwire
+state and are written whole or not at all, the optimizer is flushed when fitting ends). `configure_optimizers` returns a thinwire
 optimizer and a scheduler as usual; accumulation (one `step()` per 2 micro-batches) and
 gradient clipping (of each rank's local gradient) are the Trainer's. `--plain-ddp` runs
 `DDPStrategy()` instead: DDP all-reduces every gradient, rank 0's optimizer state is loaded
-on every rank; the baseline whose dense bytes `--count` shows.
+on every rank; the baseline whose dense bytes `--count` shows. Checkpoints go to
+`<out>/step-N.ckpt` and `<out>/last.ckpt` (`save_last=True`, what `--resume last` takes);
+`--kill-in-save N` is a crash test: rank 0 dies half way through writing checkpoint N.
 
 Data: the batch of micro-step m is `train_batch(..., m, rank, world)`, and the loader starts at
 micro-step `global_step * accumulate`, which Lightning has restored by the time it asks for
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import itertools
 import json
 import os
@@ -35,6 +40,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, IterableDataset
@@ -85,6 +91,10 @@ class TinyGPT(L.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    def on_train_start(self):
+        # after a resume's restore, before any step: the counters the checkpoint held
+        self.stats_at_start = self.trainer.optimizers[0].comm_stats.state_dict()
+
     def train_dataloader(self):
         # on resume the loops (global_step) are restored before this is called
         start = self.trainer.global_step * ACCUMULATE
@@ -92,20 +102,25 @@ class TinyGPT(L.LightningModule):
         return DataLoader(data, batch_size=None)
 
 
-class Checkpoint(ModelCheckpoint):
-    """Every `every` optimizer steps; with `kill_at`, every rank SIGKILLs itself once that
-    step's checkpoint is on disk (a real crash, nothing flushed or torn down)."""
+class DieMidWrite(TorchCheckpointIO):
+    """Writes half of step `step`'s checkpoint, then SIGKILLs this process (rank 0, the one
+    that writes, after every rank's optimizer state was gathered into it): a real crash in the
+    middle of a write, nothing flushed or torn down. Other steps are written as usual."""
 
-    def __init__(self, dirpath: Path, every: int, kill_at: int = 0):
-        super().__init__(dirpath=dirpath, filename="step-{step}", auto_insert_metric_name=False,
-                         every_n_train_steps=every, save_top_k=-1)
-        self.kill_at = kill_at
+    def __init__(self, step: int):
+        super().__init__()
+        self.step = step
 
-    def on_train_batch_end(self, trainer, *args, **kwargs) -> None:
-        super().on_train_batch_end(trainer, *args, **kwargs)
-        if self.kill_at and trainer.global_step == self.kill_at:
-            trainer.strategy.barrier()                             # every rank is past the write
-            os.kill(os.getpid(), signal.SIGKILL)
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        if checkpoint["global_step"] != self.step:
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        whole = io.BytesIO()
+        torch.save(checkpoint, whole)
+        with open(path, "wb") as f:               # the strategy's temporary file
+            f.write(whole.getbuffer()[:whole.tell() // 2])
+            f.flush()
+            os.fsync(f.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -113,14 +128,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--optimizer", default="demo", choices=list(OPTIMIZERS))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--save-at", type=int, default=10, help="checkpoint every this many optimizer steps (0: never)")
-    p.add_argument("--kill-after-save", action="store_true", help="every rank SIGKILLs itself after that checkpoint")
-    p.add_argument("--resume", help="a checkpoint (.ckpt) to resume from")
+    p.add_argument("--kill-in-save", type=int, default=0, metavar="STEP",
+                   help="crash test: rank 0 SIGKILLs itself half way through writing step STEP's checkpoint")
+    p.add_argument("--resume", help="a checkpoint (.ckpt) to resume from, or 'last': the newest complete in --out")
     p.add_argument("--plain-ddp", action="store_true", help="DDPStrategy(): the dense all-reduce stays")
     p.add_argument("--count", action="store_true", help="count every collective (wire-rank<r>.json)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    if args.kill_after_save and not args.save_at:
-        p.error("--kill-after-save needs --save-at")
+    if args.kill_in_save and (not args.save_at or args.kill_in_save % args.save_at):
+        p.error("--kill-in-save needs --save-at, and a step that is a multiple of it")
     return args
 
 
@@ -131,8 +147,10 @@ def main(argv=None) -> None:
     out = Path(args.out)
     counter = CollectiveCounter() if args.count else None
     module = TinyGPT(args.optimizer, counter)
-    strategy = DDPStrategy() if args.plain_ddp else ThinwireDDPStrategy()     # thinwire: the one change
-    callbacks = [Checkpoint(out, args.save_at, args.save_at if args.kill_after_save else 0)] if args.save_at else []
+    crash = {"checkpoint_io": DieMidWrite(args.kill_in_save)} if args.kill_in_save else {}
+    strategy = DDPStrategy(**crash) if args.plain_ddp else ThinwireDDPStrategy(**crash)   # thinwire: the one change
+    callbacks = [ModelCheckpoint(dirpath=out, filename="step-{step}", auto_insert_metric_name=False, save_top_k=-1,
+                                 every_n_train_steps=args.save_at, save_last=True)] if args.save_at else []
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps,
                         accumulate_grad_batches=ACCUMULATE, gradient_clip_val=1.0, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
@@ -145,6 +163,7 @@ def main(argv=None) -> None:
     torch.save(flat, out / f"params-rank{rank}.pt")
     if counter is not None:
         wire = {"counter": counter.summary(), "comm_stats": opt.comm_stats.state_dict(),
+                "comm_stats_at_start": module.stats_at_start,                        # as restored by a resume
                 "parameters": sum(t.numel() for t in module.model.parameters() if t.requires_grad),
                 "in_flight_after_fit": INFLIGHT_KEY in opt.state_dict()}     # False: the final step landed
         (out / f"wire-rank{rank}.json").write_text(json.dumps(wire))
