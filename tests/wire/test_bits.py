@@ -1,12 +1,16 @@
 """Bit packing: byte layouts against plain-Python references, round trips, and argument checks."""
 
 import math
+import os
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from thinwire.wire import index_width, pack_bits, pack_signs, packed_nbytes, unpack_bits, unpack_signs
+from thinwire.audit import StepAudit
+from thinwire.wire import checks, index_width, pack_bits, pack_signs, packed_nbytes, unpack_bits, unpack_signs
 
 
 def ref_pack(values, width):
@@ -92,10 +96,39 @@ def test_out_of_wrong_size_dtype_or_layout_raises(out):
         pack_bits(torch.arange(4), 10, out=out)            # needs 5 bytes
 
 
+@pytest.fixture
+def debug_checks():
+    previous = checks.set_enabled(True)
+    yield
+    checks.set_enabled(previous)
+
+
 @pytest.mark.parametrize("values, width", [([0, 8], 3), ([-1, 2], 3), ([0, 2 ** 32], 32), ([256], 8)])
-def test_out_of_range_values_raise(values, width):
+def test_out_of_range_values_raise_with_debug_checks(values, width, debug_checks):
     with pytest.raises(ValueError, match="values must be in"):
         pack_bits(torch.tensor(values), width)
+
+
+def test_the_range_check_reads_nothing_without_debug_checks():
+    """Off (the default): packing in-range values makes no host read; on: one (aminmax -> int)."""
+    values = torch.arange(10)
+    for on, reads in ((False, 0), (True, 2)):
+        previous = checks.set_enabled(on)
+        try:
+            with StepAudit() as audit:
+                out = pack_bits(values, 4)
+        finally:
+            checks.set_enabled(previous)
+        assert audit.host_reads == reads
+        assert out.tolist() == ref_pack(list(range(10)), 4)
+
+
+def test_the_switch_is_read_from_the_environment_at_import():
+    code = "import thinwire.wire.checks as c; print(c.enabled())"
+    for value, expected in (("1", "True"), ("0", "False"), ("", "False")):
+        env = {**os.environ, checks.ENV: value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expected
 
 
 def test_float_values_raise():

@@ -22,13 +22,21 @@ from typing import Sequence
 import torch
 
 from ..ops.select import ascending, largest_indices
-from ..wire import get_codec, index_coding
+from ..wire import checks, get_codec, index_coding
 from ..wire.indices import PackedIndices, check_index_coding
 from .chunking import ChunkPlan
 from .payload import Payload, PayloadSpec, check_buffer
 from .transforms import ChunkTransform
 
 AGGREGATIONS = ("mean", "senders")
+MALFORMED = "malformed payload: an index out of range or non-finite values"
+
+
+def raise_malformed(status: torch.Tensor | None, what: str = "") -> None:
+    """The one host read of a step's arrival status (`read_flagged`'s flags folded by
+    `thinwire.wire.checks.any_of`): ValueError when any payload was malformed."""
+    if status is not None and bool(status):
+        raise ValueError(f"{MALFORMED}{what}")
 
 Read = tuple[torch.Tensor, torch.Tensor]   # (indices [n_chunks, k] int64, values [n_chunks, k] float32)
 
@@ -153,13 +161,23 @@ class ChunkedTopK:
         self.write(self.select(image, x.shape, scratch), x.shape, check_buffer(out, self.payload_nbytes(x.shape)))
 
     def read(self, payload: Payload, shape) -> Read:
-        """(indices [n_chunks, k] int64, values [n_chunks, k] float32), validated."""
+        """(indices [n_chunks, k] int64, values [n_chunks, k] float32), validated: ValueError
+        if malformed (a host read; `read_flagged` checks on the device)."""
         plan, k = self.plan(shape), self.k(shape)
         idx = self.coding(shape).unpack(payload.parts["indices"], plan.num_chunks)
         vals = self.codec.decode(payload.parts["values"], plan.num_chunks, k)
         if not bool(torch.isfinite(vals).all()):
             raise ValueError("malformed payload: non-finite values")
         return idx, vals
+
+    def read_flagged(self, payload: Payload, shape) -> tuple[Read, list[torch.Tensor]]:
+        """`read` without host reads: (the read, its 0-dim bool flags, True where the payload
+        is malformed: indices out of range (then clamped into it) or non-finite values).
+        `raise_malformed` turns the flags into read()'s ValueError."""
+        plan, k = self.plan(shape), self.k(shape)
+        idx, bad_index = self.coding(shape).unpack_flagged(payload.parts["indices"], plan.num_chunks)
+        vals = self.codec.decode(payload.parts["values"], plan.num_chunks, k)
+        return (idx, vals), [f for f in (bad_index, checks.nonfinite(vals)) if f is not None]
 
     def decode(self, buf: torch.Tensor, shape, seed: int = 0) -> torch.Tensor:
         """The compressor protocol's decode: the dense tensor (float32, `shape`) a receiver

@@ -41,8 +41,9 @@ from typing import NamedTuple
 import torch
 
 from ..compress import AGGREGATIONS, TRANSFORMS, ChunkedTopK, Payload
+from ..compress.topk import raise_malformed
 from ..ops import add_sign_, add_spectral_
-from ..wire import CODEC_NAMES
+from ..wire import CODEC_NAMES, checks
 from .base import CommunicatingOptimizer, Member
 from .exchange import GatherAll
 from .flat import spans
@@ -200,6 +201,7 @@ class DeMo(CommunicatingOptimizer):
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None   # reused transform scratch
         self._ahead: dict[torch.Tensor, torch.Tensor] = {}    # lookahead='momentum': direction, per parameter
         self._ahead_step = 0                                   # the step those directions belong to
+        self.arrival_status: torch.Tensor | None = None       # the last landing's malformed-payload flag (device)
 
     def add_param_group(self, param_group: dict) -> None:
         _check_group({**self.defaults, **param_group})
@@ -336,15 +338,25 @@ class DeMo(CommunicatingOptimizer):
             step_param(p, ahead, group, key)
 
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
-        self._update(step, self._slots(layout), delivery.data, delivery.present.tolist())
+        """Every parameter updated, present on some rank or not: the envelope puts back those
+        that had a gradient on no rank (`_restore`), so presence is never read here."""
+        self._update(step, self._slots(layout), delivery.data, [True] * len(layout))
 
     def _update(self, step: int, slots: list[Slot], gathered: torch.Tensor, present: list) -> None:
-        """Δ = T⁻¹(aggregate of the payload rows of `gathered` [ranks, payload bytes]); θ ← θ(1 − ηλ) − η φ(Δ)."""
+        """Δ = T⁻¹(aggregate of the payload rows of `gathered` [ranks, payload bytes]); θ ← θ(1 − ηλ) − η φ(Δ).
+        Every payload is decoded and checked first (on the device, `arrival_status`), read once:
+        a malformed one raises ValueError on every rank before any parameter moves."""
+        reads, flags = {}, []
+        for i, ((group, p, comp, offset, n, key), anywhere) in enumerate(zip(slots, present)):
+            if anywhere:
+                spec = comp.payload_spec(p.shape)
+                got = [comp.read_flagged(Payload.from_buffer(gathered[r, offset: offset + n], spec), p.shape)
+                       for r in range(gathered.shape[0])]                     # rank order
+                reads[i] = [read for read, _ in got]
+                flags += [f for _, fs in got for f in fs]
+        self.arrival_status = checks.any_of(flags)
+        raise_malformed(self.arrival_status, f" at step {step}")
         a, b = self._scratch(slots)
-        for (group, p, comp, offset, n, key), anywhere in zip(slots, present):
-            if not anywhere:
-                continue
-            spec = comp.payload_spec(p.shape)
-            reads = [comp.read(Payload.from_buffer(gathered[r, offset: offset + n], spec), p.shape)
-                     for r in range(gathered.shape[0])]                       # validated, rank order
-            step_param(p, comp.aggregate(reads, p.shape, step, group["aggregate"], out=a, scratch=b), group, key)
+        for i, read in reads.items():
+            group, p, comp, _, _, key = slots[i]
+            step_param(p, comp.aggregate(read, p.shape, step, group["aggregate"], out=a, scratch=b), group, key)

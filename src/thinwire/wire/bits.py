@@ -16,6 +16,8 @@ import operator
 
 import torch
 
+from . import checks
+
 _BYTE_DTYPES = {8: torch.uint8, 64: torch.int64}  # accumulator word size (bits) -> dtype
 
 
@@ -132,7 +134,9 @@ def pack_bits(values: torch.Tensor, width: int, out: torch.Tensor | None = None)
     """Pack integers in [0, 2**width) (any integer dtype and shape, flattened in C order)
     into a 1-D uint8 tensor of packed_nbytes(values.numel(), width) bytes, in the module's
     bit order, on values' device. `out`: a contiguous 1-D uint8 tensor of exactly that many
-    bytes (e.g. a slice of a bigger buffer) to write into and return.
+    bytes (e.g. a slice of a bigger buffer) to write into and return. Values out of range
+    raise ValueError only with THINWIRE_DEBUG_CHECKS=1 (`thinwire.wire.checks`): the check
+    reads the values on the host, and every caller in thinwire packs its own indices.
     """
     width = _int_arg("width", width, 1, 32)
     if not isinstance(values, torch.Tensor) or values.dtype.is_floating_point or values.dtype.is_complex:
@@ -141,10 +145,8 @@ def pack_bits(values: torch.Tensor, width: int, out: torch.Tensor | None = None)
     out = _check_out(out, packed_nbytes(v.numel(), width), v.device)
     if v.numel() == 0:
         return out
-    lo, hi = torch.aminmax(v)
-    lo, hi = int(lo), int(hi)
-    if lo < 0 or hi >= 1 << width:
-        raise ValueError(f"values must be in [0, 2**{width}) for width {width}, got min {lo} and max {hi}")
+    if checks.enabled():
+        _check_range(v, width)
     if width == 8:
         out.copy_(v)  # integer -> uint8 conversion keeps the low byte
     elif width in (16, 32):
@@ -153,6 +155,14 @@ def pack_bits(values: torch.Tensor, width: int, out: torch.Tensor | None = None)
     else:
         _pack_stream(v, width, out)
     return out
+
+
+def _check_range(v: torch.Tensor, width: int) -> None:
+    """ValueError unless every value is in [0, 2**width) (a host read: debug checks only)."""
+    lo, hi = torch.aminmax(v)
+    lo, hi = int(lo), int(hi)
+    if lo < 0 or hi >= 1 << width:
+        raise ValueError(f"values must be in [0, 2**{width}) for width {width}, got min {lo} and max {hi}")
 
 
 def _unpack_groups(src: torch.Tensor, width: int, dst: torch.Tensor, word_bits: int) -> None:

@@ -19,6 +19,9 @@ Each coding is a list of bit streams (values per row, bits each) so that a calle
 several tensors can pack each stream once over all their rows (`split` / `join`); `pack` and
 `unpack` are the one-tensor form. `join` validates: indices in range, and for 'elias-fano'
 k ones per bitmap and strictly ascending indices (no index twice), else ValueError.
+`join_flagged` / `unpack_flagged` validate on the device instead (no host read): they return
+the indices (clamped into range, so a scatter with them stays in bounds) and a 0-dim bool,
+True when the bytes were malformed (`thinwire.wire.checks`), for the caller to read once.
 """
 
 from __future__ import annotations
@@ -48,6 +51,19 @@ class PackedIndices:
             raise ValueError(f"malformed payload: index {int(idx.max())} out of range for a chunk of {self.n}")
         return idx
 
+    def join_flagged(self, parts: list[torch.Tensor], rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`join` with the range check on the device: (idx [rows, k] clamped to n − 1, a 0-dim
+        bool flag, True if an index was >= n; None when n = 2**width, where none can be)."""
+        idx = parts[0].view(rows, self.k)
+        if self.n == 1 << self.streams[0][1] or not idx.numel():
+            return idx, None
+        bad = (idx >= self.n).any()
+        return idx.clamp(max=self.n - 1), bad
+
+    def unpack_flagged(self, buf: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`unpack` validated on the device (`join_flagged`)."""
+        return self.join_flagged(self._parts(buf, rows), rows)
+
     def nbytes(self, rows: int) -> int:
         return sum(packed_nbytes(rows * m, bits) for m, bits, _ in self.streams)
 
@@ -62,12 +78,16 @@ class PackedIndices:
 
     def unpack(self, buf: torch.Tensor, rows: int) -> torch.Tensor:
         """nbytes(rows) uint8 -> idx [rows, k] int64, validated (ValueError if malformed)."""
+        return self.join(self._parts(buf, rows), rows)
+
+    def _parts(self, buf: torch.Tensor, rows: int) -> list[torch.Tensor]:
+        """The coding's streams of nbytes(rows) uint8, unpacked."""
         parts, at = [], 0
         for m, bits, flags in self.streams:
             size = packed_nbytes(rows * m, bits)
             parts.append(unpack_stream(buf[at: at + size], bits, rows * m, flags))
             at += size
-        return self.join(parts, rows)
+        return parts
 
 
 class EliasFanoIndices(PackedIndices):
@@ -105,6 +125,11 @@ class EliasFanoIndices(PackedIndices):
         if self.k > 1 and not bool((idx[:, 1:] > idx[:, :-1]).all()):
             raise ValueError("malformed payload: a chunk's indices are not strictly ascending (an index twice)")
         return idx
+
+    def join_flagged(self, parts: list[torch.Tensor], rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Elias-Fano's checks stay on the host (`join`, raising): a malformed bitmap would
+        otherwise scatter out of bounds. No flag."""
+        return self.join(parts, rows), None
 
     def _uppers(self, flags: torch.Tensor) -> torch.Tensor:
         """idx_i >> L of every row from its bitmap [rows, B] of exactly k ones: a one at
