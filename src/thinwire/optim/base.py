@@ -69,7 +69,12 @@ class Member(NamedTuple):
 
 
 def flatten_grads(params, buffer: torch.Tensor) -> torch.Tensor:
-    """Every parameter's gradient (zeros where it is None), in order, into the flat `buffer`."""
+    """Every parameter's gradient (zeros where it is None), in order, into the flat `buffer`:
+    one `cat` when every parameter has one, else tensor by tensor."""
+    grads = [p.grad for p in params]
+    if all(g is not None for g in grads):
+        torch.cat([g.reshape(-1) for g in grads], out=buffer[:sum(g.numel() for g in grads)])   # [sum numel]
+        return buffer
     offset = 0
     for p in params:
         view = buffer[offset: offset + p.numel()]
@@ -329,8 +334,11 @@ class CommunicatingOptimizer(EnvelopeCheckpoints, torch.optim.Optimizer):
     def _views(self, m: Member) -> list[torch.Tensor]:
         return [m.param, *(v for v in self.state[m.key].values() if torch.is_tensor(v)), *self._local_views(m.key)]
 
-    def _restore(self, layout: list[Member], snapshot: dict, present: torch.Tensor) -> None:
-        """Parameters that had a gradient on no rank get their values and state back."""
+    def _restore(self, layout: list[Member], snapshot: dict, present) -> None:
+        """Parameters that had a gradient on no rank get their values and state back (only
+        parameters this rank had none for are candidates: with none, nothing is read)."""
+        if not snapshot:
+            return
         for m, anywhere in zip(layout, present.tolist()):
             if not anywhere and m.key in snapshot:
                 for view, saved in zip(self._views(m), snapshot[m.key]):

@@ -95,13 +95,17 @@ class DenseAllReduce(CommunicatingOptimizer):
         """Every parameter with a gradient somewhere gets the mean; then the wrapped steps."""
         if self.overlap:
             return self._apply_beside(layout, delivery)
+        grads, means = [], []
         for (_, p, key), part, anywhere in _mean_parts(layout, delivery):
             if not anywhere:
                 continue
             if p.grad is None:                      # key's gradient: the wrapped optimizer reads that
                 set_grad(key, part.to(p.dtype).clone(memory_format=torch.preserve_format))
             else:                                   # p.grad shares key.grad's storage (its shard)
-                p.grad.copy_(part)
+                grads.append(p.grad)
+                means.append(part)
+        if grads:
+            torch._foreach_copy_(grads, means)      # one launch per dtype group, not one per tensor
         for o in self.optimizers:
             o.step()
 

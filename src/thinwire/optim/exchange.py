@@ -27,8 +27,8 @@ import torch
 
 from ..comm import Communicator, Pending
 from ..comm.collectives import OneBitAllReduce
-from .protocol import (FLAG_NONFINITE, PeerMismatchError, all_finite, prefix_nbytes, read_headers, read_presence,
-                       read_trailer, trailer_numel, write_prefix, write_trailer)
+from .protocol import (FLAG_NONFINITE, PeerMismatchError, PrefixWriter, Presence, TrailerWriter, all_finite,
+                       prefix_nbytes, read_headers, read_presence, read_trailer, trailer_numel, write_prefix)
 
 FLAG_SERVER_ERROR = 2          # a relayed answer's flag: the server rejected this step's messages
 
@@ -42,10 +42,11 @@ MAX_PARTS = 4
 
 class Delivery(NamedTuple):
     """What an exchange delivered: `flagged` names the ranks whose gradients were not finite
-    (empty on a good step); `present[i]`: layout parameter i had a gradient on some rank;
+    (empty on a good step); `present.tolist()[i]`: layout parameter i had a gradient on some
+    rank (`protocol.Presence`: read from the device only when this rank lacked one);
     `data`: the exchange's result, read by the algorithm's apply."""
     flagged: list
-    present: torch.Tensor
+    present: Presence
     data: object
 
 
@@ -84,6 +85,11 @@ def _reuse(buf: torch.Tensor | None, numel: int, dtype: torch.dtype, device) -> 
     return buf
 
 
+def _presence_bits(message: torch.Tensor, n_params: int) -> list[bool]:
+    """This rank's presence as a checkpointed message's prefix holds it (a resumed step's)."""
+    return read_presence(message[None, :prefix_nbytes(n_params)], n_params).tolist()
+
+
 def gather_parts(nbytes: int) -> list[slice]:
     """The byte ranges of a message that `GatherAll` gathers in separate all_gathers, all in
     flight at once: one per PART_BYTES started, at most MAX_PARTS, equal but for the last."""
@@ -99,6 +105,9 @@ class GatherAll:
     def __init__(self, comm: Communicator, tag: str = "payload"):
         self.comm, self.tag, self.buffer, self.n_params = comm, tag, None, 0
         self._pending: list = []
+        self._prefix, self._present = PrefixWriter(), []
+        self._received: list[torch.Tensor] = []       # each part's [world, part bytes], reused
+        self._gathered: torch.Tensor | None = None     # [world, nbytes], the parts side by side
 
     def resize(self, n_params: int, payload_nbytes: int, device) -> torch.Tensor:
         """The send buffer for this layout; returns the payload part (after the prefix)."""
@@ -111,25 +120,41 @@ class GatherAll:
         return self.buffer[prefix_nbytes(self.n_params):]
 
     def seal(self, step: int, flags: int, present: list[bool]) -> None:
-        write_prefix(self.buffer, step, flags, present)
+        self._prefix.write(self.buffer, step, flags, present)
+        self._present = list(present)
 
     def checkpoint(self) -> list[torch.Tensor]:
         return [self.buffer.clone()]
 
     def resume(self, saved: list[torch.Tensor]) -> None:
         _put_back([self.buffer], saved)
+        self._prefix = PrefixWriter()                 # the prefix is the checkpoint's now
+        self._present = _presence_bits(saved[0], self.n_params)
         self.start()
 
+    def _receive_buffers(self, parts: list[slice]) -> list[torch.Tensor]:
+        """[world, part] receive buffers for these parts and the [world, nbytes] they are
+        joined in, allocated when the message's size changes, reused every step."""
+        shapes = [(self.comm.world_size, p.stop - p.start) for p in parts]
+        if [tuple(r.shape) for r in self._received] != shapes or self._received[0].device != self.buffer.device:
+            self._received = [torch.empty(shape, dtype=torch.uint8, device=self.buffer.device) for shape in shapes]
+            self._gathered = (self._received[0] if len(parts) == 1 else
+                              torch.empty(self.comm.world_size, self.buffer.numel(), dtype=torch.uint8,
+                                          device=self.buffer.device))
+        return self._received
+
     def start(self) -> None:
-        self._pending = [self.comm.all_gather(self.buffer[part], tag=self.tag, async_op=True)
-                         for part in gather_parts(self.buffer.numel())]
+        parts = gather_parts(self.buffer.numel())
+        self._pending = [self.comm.all_gather(self.buffer[part], tag=self.tag, out=out, async_op=True)
+                         for part, out in zip(parts, self._receive_buffers(parts))]
 
     def finish(self, step: int) -> Delivery:
         parts, self._pending = [pending.wait() for pending in self._pending], []
-        gathered = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)       # [world, nbytes]
-        prefixes = gathered[:, :prefix_nbytes(self.n_params)]
-        flagged = read_headers(prefixes, step).tolist()
-        return Delivery(flagged, read_presence(prefixes, self.n_params), gathered[:, prefixes.shape[1]:])
+        gathered = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1, out=self._gathered)  # [world, nbytes]
+        start = prefix_nbytes(self.n_params)
+        flagged = read_headers(gathered[:, :start], step)
+        presence = Presence(self._present, lambda: read_presence(gathered[:, :start], self.n_params))
+        return Delivery(flagged, presence, gathered[:, start:])
 
 
 class ReduceAll:
@@ -139,6 +164,7 @@ class ReduceAll:
     def __init__(self, comm: Communicator, tag: str = "payload"):
         self.comm, self.tag, self.buffer, self.n_params, self.numel = comm, tag, None, 0, 0
         self._pending = None
+        self._trailer, self._present = TrailerWriter(), []
 
     def resize(self, n_params: int, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         self.n_params, self.numel = n_params, numel
@@ -150,7 +176,8 @@ class ReduceAll:
         return self.buffer[:self.numel]
 
     def seal(self, step: int, flags: int, present: list[bool]) -> None:
-        write_trailer(self.buffer[self.numel:], step, bool(flags & FLAG_NONFINITE), present)
+        self._trailer.write(self.buffer[self.numel:], step, bool(flags & FLAG_NONFINITE), present)
+        self._present = list(present)
 
     def checkpoint(self) -> list[torch.Tensor]:
         """The sum over ranks: the all_reduce runs in place, so the message is gone once it
@@ -160,6 +187,7 @@ class ReduceAll:
     def resume(self, saved: list[torch.Tensor]) -> None:
         """The sum is back in the buffer: nothing to send, finish() delivers it."""
         _put_back([self.buffer], saved)
+        self._trailer, self._present = TrailerWriter(), [False] * self.n_params   # presence: read from the sum
         self._pending = Pending(None, self.buffer)
 
     def start(self) -> None:
@@ -168,11 +196,12 @@ class ReduceAll:
     def finish(self, step: int) -> Delivery:
         total, self._pending = self._pending.wait(), None
         world = self.comm.world_size
-        bad, present = read_trailer(total[self.numel:], step, world)
         mean = total[:self.numel].div_(world)
+        bad, union, finite = read_trailer(total[self.numel:], step, world, payload=mean)
+        present = Presence(self._present, lambda: union)
         if bad:
             return Delivery([f"{bad} rank(s)"], present, mean)
-        if not bool(torch.isfinite(mean).all()):
+        if not finite:
             return Delivery(["the sum (overflow)"], present, mean)
         return Delivery([], present, mean)
 
@@ -185,6 +214,7 @@ class OneBitReduce:
         self.comm, self.tag, self.n_params = comm, tag, 0
         self.reduce = OneBitAllReduce(comm, tag)
         self.prefix = None
+        self._present: list[bool] = []
 
     def resize(self, n_params: int, x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor):
         self.n_params = n_params
@@ -200,6 +230,7 @@ class OneBitReduce:
         if not all_finite([self.x, self.worker_error]):
             flags |= FLAG_NONFINITE
         write_prefix(self.prefix, step, flags, present)
+        self._present = list(present)
 
     def checkpoint(self) -> list[torch.Tensor]:
         """m_i and the prefix (the worker error start() adds is APMSqueeze's own state)."""
@@ -207,6 +238,7 @@ class OneBitReduce:
 
     def resume(self, saved: list[torch.Tensor]) -> None:
         _put_back([self.x, self.prefix], saved)
+        self._present = _presence_bits(self.prefix, self.n_params)
         self.start()
 
     def start(self) -> None:
@@ -214,8 +246,8 @@ class OneBitReduce:
 
     def finish(self, step: int) -> Delivery:
         prefixes = self.reduce.wait_headers()                    # [W, prefix], before any state changes
-        flagged = read_headers(prefixes, step).tolist()
-        present = read_presence(prefixes, self.n_params)
+        flagged = read_headers(prefixes, step)
+        present = Presence(self._present, lambda: read_presence(prefixes, self.n_params))
         if flagged:
             self.reduce.abandon()
             return Delivery(flagged, present, None)
@@ -232,6 +264,7 @@ class ServerRelay:
         self.comm, self.serve, self.n_params = comm, serve, 0
         self.up = self.down = None
         self._pending = None
+        self._prefix, self._present = PrefixWriter(), []
 
     def resize(self, n_params: int, up_nbytes: int, down_nbytes: int, device) -> torch.Tensor:
         self.n_params, start = n_params, prefix_nbytes(n_params)
@@ -244,13 +277,16 @@ class ServerRelay:
         return self.up[prefix_nbytes(self.n_params):]
 
     def seal(self, step: int, flags: int, present: list[bool]) -> None:
-        write_prefix(self.up, step, flags, present)
+        self._prefix.write(self.up, step, flags, present)
+        self._present = list(present)
 
     def checkpoint(self) -> list[torch.Tensor]:
         return [self.up.clone()]
 
     def resume(self, saved: list[torch.Tensor]) -> None:
         _put_back([self.up], saved)
+        self._prefix = PrefixWriter()
+        self._present = _presence_bits(saved[0], self.n_params)
         self.start()
 
     def start(self) -> None:
@@ -267,15 +303,16 @@ class ServerRelay:
         if int(self.down[2]) & FLAG_SERVER_ERROR:
             raise PeerMismatchError(f"rank 0 (the server) rejected the messages of step {step}; its error names the cause")
         prefix = self.down[None, :start]
-        flagged = ["reported by rank 0"] if read_headers(prefix, step).numel() else []
-        return Delivery(flagged, read_presence(prefix, self.n_params), self.down[start:])
+        flagged = ["reported by rank 0"] if read_headers(prefix, step) else []
+        present = Presence(self._present, lambda: read_presence(prefix, self.n_params))
+        return Delivery(flagged, present, self.down[start:])
 
     def _serve(self, gathered: torch.Tensor, step: int):
         """Rank 0: verdict, presence union and server step into self.down; an error to re-raise."""
         start = prefix_nbytes(self.n_params)
         try:
             prefixes = gathered[:, :start]
-            bad = read_headers(prefixes, step).tolist()
+            bad = read_headers(prefixes, step)
             present = read_presence(prefixes, self.n_params)
             if not bad:
                 self.serve(gathered[:, start:], present, self.down[start:])

@@ -66,7 +66,6 @@ import torch
 
 from ..comm import DeltaCodec
 from ..comm.collectives import DELTA_WIRES
-from ..ops import nesterov_outer_
 from .base import CommunicatingOptimizer, Member
 from .exchange import GatherAll, ReduceAll
 from .flat import Span, spans
@@ -115,6 +114,31 @@ def check_wire(wire) -> str:
 def write_delta(out: torch.Tensor, p: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
     """Δ = θ − θ₀ into `out` (float32, contiguous, p's shape), each in float32: exact for bf16 θ."""
     return out.copy_(p).sub_(anchor)
+
+
+def write_deltas(outs: list[torch.Tensor], params: list[torch.Tensor], anchors: list[torch.Tensor]) -> None:
+    """`write_delta` of every parameter at once: Δ = θ − θ₀, each in float32 (grouped ops)."""
+    torch._foreach_copy_(outs, params)
+    torch._foreach_sub_(outs, anchors)
+
+
+def nesterov_outer_all_(xs: list[torch.Tensor], mean_deltas: list[torch.Tensor], bufs: list[torch.Tensor] | None,
+                        lr: float, momentum: float) -> None:
+    """`ops.nesterov_outer_` of every parameter with g = −Δ̄, as grouped ops with the same
+    results: g = −Δ̄;  b ← μ b + g;  x ← x − η (g + μ b) (b None or μ = 0: x ← x − η g).
+    Negation is exact and rounding symmetric, so the signs are folded in: b ← μ b − Δ̄,
+    h = Δ̄ − μ b = −(g + μ b), x ← x + η h, bit for bit the same as with g."""
+    hs = mean_deltas
+    if bufs is not None and momentum:
+        torch._foreach_mul_(bufs, momentum)                     # b ← μ b
+        torch._foreach_sub_(bufs, mean_deltas)                  # b ← μ b − Δ̄
+        hs = torch._foreach_sub(mean_deltas, bufs, alpha=momentum)   # h = Δ̄ − μ b
+    same = [i for i, x in enumerate(xs) if x.dtype == hs[i].dtype]
+    if same:
+        torch._foreach_add_([xs[i] for i in same], [hs[i] for i in same], alpha=lr)
+    for i, x in enumerate(xs):
+        if x.dtype != hs[i].dtype:                              # rounded to x's dtype first, as per tensor
+            x.add_(hs[i].to(x.dtype), alpha=lr)
 
 
 def _reuse(buf: torch.Tensor | None, numel: int, device) -> torch.Tensor:
@@ -167,8 +191,24 @@ class PeriodicAveraging(CommunicatingOptimizer):
             return
         n = sum(m.param.numel() for m in layout)
         self._launched = _reuse(self._launched, n, layout[0].param.device)
-        for m, span in zip(layout, spans(m.param.numel() for m in layout)):
-            span.of(self._launched).view(m.param.shape).copy_(m.param)
+        places = spans(m.param.numel() for m in layout)
+        torch._foreach_copy_([span.of(self._launched).view(m.param.shape) for m, span in zip(layout, places)],
+                             [m.param for m in layout])
+
+    def _rejoin_all(self, slots: list[Slot]) -> None:
+        """`_rejoin` of every parameter, grouped where the arithmetic stays the same."""
+        params, anchors = [s.param for s in slots], [self.state[s.key]["anchor"] for s in slots]
+        if self.delay == 1:
+            torch._foreach_copy_(params, anchors)               # θ ← θ₀
+            return
+        fp32 = [i for i, p in enumerate(params) if p.dtype == torch.float32]
+        if fp32:                                                # θ − θ_s, then θ₀ + (θ − θ_s), in place
+            torch._foreach_sub_([params[i] for i in fp32],
+                                [slots[i].span.of(self._launched).view(params[i].shape) for i in fp32])
+            torch._foreach_add_([params[i] for i in fp32], [anchors[i] for i in fp32])
+        for slot, p, anchor in zip(slots, params, anchors):
+            if p.dtype != torch.float32:
+                self._rejoin(p, anchor, slot.span)
 
     def _rejoin(self, p: torch.Tensor, anchor: torch.Tensor, span: Span) -> None:
         """θ ← θ₀: the replica joins the new anchor, keeping (delay > 1) the local steps it made
@@ -233,14 +273,13 @@ class PeriodicAveraging(CommunicatingOptimizer):
         slots = slots_of(layout)
         n, device = sum(s.span.size for s in slots), layout[0].param.device
         x = exchange.payload if self.codec is None else _reuse(self._x, n, device)
-        for _, p, span, key in slots:
-            part = span.of(x)
-            # Δ = θ − θ₀
-            write_delta(part.view(p.shape), p, self.state[key]["anchor"])
-            if self.codec is not None:
-                # x = Δ + e                      error feedback: what earlier syncs did not deliver
-                part.add_(self.state[key]["sync_error"])
+        parts = [s.span.of(x) for s in slots]
+        # Δ = θ − θ₀
+        write_deltas([part.view(s.param.shape) for part, s in zip(parts, slots)], [s.param for s in slots],
+                     [self.state[s.key]["anchor"] for s in slots])
         if self.codec is not None:
+            # x = Δ + e                      error feedback: what earlier syncs did not deliver
+            torch._foreach_add_(parts, [self.state[s.key]["sync_error"] for s in slots])
             self._x, self._unsent = x, _reuse(self._unsent, n, device)
             # e' = x − decode(encode(x)), kept aside: a sync that is not made must leave e as it was
             self.codec.encode(x, out=exchange.payload, error=self._unsent)
@@ -259,14 +298,15 @@ class PeriodicAveraging(CommunicatingOptimizer):
         n = sum(s.span.size for s in slots)
         # Δ̄ = mean_ranks Δ   (fp32: the all-reduce's mean; lossy: every row decoded, summed in rank order)
         mean = delivery.data if self.codec is None else self.codec.mean(delivery.data, n)
-        for slot in slots:
-            p, state = slot.param, self.state[slot.key]
-            part = slot.span.of(mean)
-            if self.codec is not None:                              # e ← e'
-                state["sync_error"].copy_(slot.span.of(self._unsent))
-            # g = −Δ̄;  b ← μ b + g;  θ₀ ← θ₀ − η_out (g + μ b)
-            nesterov_outer_(state["anchor"].view(-1), part.neg(), state.get("outer_momentum"),
-                            self.outer_lr, self.outer_momentum)
-            # θ ← θ₀   (delay > 1: θ ← θ₀ + (θ − θ_s))
-            self._rejoin(p, state["anchor"], slot.span)
-            self._after_sync(slot, part)
+        states, parts = [self.state[s.key] for s in slots], [s.span.of(mean) for s in slots]
+        if self.codec is not None:                                  # e ← e'
+            torch._foreach_copy_([st["sync_error"] for st in states], [s.span.of(self._unsent) for s in slots])
+        # g = −Δ̄;  b ← μ b + g;  θ₀ ← θ₀ − η_out (g + μ b)
+        momenta = [st["outer_momentum"] for st in states] if self.outer_momentum else None
+        nesterov_outer_all_([st["anchor"].view(-1) for st in states], parts, momenta, self.outer_lr,
+                            self.outer_momentum)
+        # θ ← θ₀   (delay > 1: θ ← θ₀ + (θ − θ_s))
+        self._rejoin_all(slots)
+        if type(self)._after_sync is not PeriodicAveraging._after_sync:
+            for slot, part in zip(slots, parts):
+                self._after_sync(slot, part)

@@ -47,11 +47,16 @@ def prefix_nbytes(n_params: int) -> int:
     return HEADER_NBYTES + math.ceil(n_params / 8)
 
 
-def write_prefix(buf: torch.Tensor, step: int, flags: int, present: list[bool]) -> None:
-    """Fill the first prefix_nbytes(len(present)) bytes of a uint8 message buffer."""
+def _prefix_bytes(step: int, flags: int, present: list[bool]) -> list[int]:
     bits = sum(1 << i for i, here in enumerate(present) if here)
-    prefix = [MAGIC, VERSION, flags, 0, *int(step % 2**32).to_bytes(4, "little"),
-              *bits.to_bytes(math.ceil(len(present) / 8), "little")]
+    return [MAGIC, VERSION, flags, 0, *int(step % 2**32).to_bytes(4, "little"),
+            *bits.to_bytes(math.ceil(len(present) / 8), "little")]
+
+
+def write_prefix(buf: torch.Tensor, step: int, flags: int, present: list[bool]) -> None:
+    """Fill the first prefix_nbytes(len(present)) bytes of a uint8 message buffer (one
+    host-to-device copy: for messages not sealed every step; `PrefixWriter` otherwise)."""
+    prefix = _prefix_bytes(step, flags, present)
     buf[:len(prefix)].copy_(torch.tensor(prefix, dtype=torch.uint8))
 
 
@@ -60,19 +65,46 @@ def write_header(buf: torch.Tensor, step: int, flags: int) -> None:
     write_prefix(buf, step, flags, [])
 
 
-def read_headers(headers: torch.Tensor, step: int) -> torch.Tensor:
-    """Validate all ranks' headers ([world, >= 8] uint8); return the ranks with non-finite flags."""
-    h = headers[:, :HEADER_NBYTES].to(torch.int64)
-    bad = ((h[:, 0] != MAGIC) | (h[:, 1] != VERSION)).nonzero().flatten().tolist()
+def _as_int32(step: int) -> int:
+    """The uint32 `step % 2**32` as the int32 with the same four bytes."""
+    value = step % 2**32
+    return value - 2**32 if value >= 2**31 else value
+
+
+class PrefixWriter:
+    """Seals one message buffer's prefix step after step without a copy from the host: the
+    constant bytes and the presence bitmap are written whole (one copy) only when the buffer
+    or the presence changes; the flags byte and the step's four bytes (an int32 view,
+    little-endian as on every platform torch ships for) are fills, whose values travel as
+    kernel arguments."""
+
+    def __init__(self):
+        self._written: tuple | None = None        # (buffer's data_ptr, numel, presence) last written whole
+
+    def write(self, buf: torch.Tensor, step: int, flags: int, present: list[bool]) -> None:
+        key = (buf.data_ptr(), buf.numel(), tuple(present))
+        if key != self._written or buf.data_ptr() % 4:
+            write_prefix(buf, step, flags, present)
+            self._written = key
+            return
+        buf[2].fill_(flags)
+        buf[4:HEADER_NBYTES].view(torch.int32).fill_(_as_int32(step))
+
+
+def read_headers(headers: torch.Tensor, step: int) -> list[int]:
+    """Validate all ranks' headers ([world, >= 8] uint8) in one host read; return the ranks
+    with non-finite flags."""
+    rows = headers[:, :HEADER_NBYTES].tolist()
+    bad = [r for r, h in enumerate(rows) if h[0] != MAGIC or h[1] != VERSION]
     if bad:
         raise PeerMismatchError(f"malformed message header from rank(s) {bad} (wrong magic or version)")
-    steps = h[:, 4] | (h[:, 5] << 8) | (h[:, 6] << 16) | (h[:, 7] << 24)
+    steps = [int.from_bytes(bytes(h[4:8]), "little") for h in rows]
     expected = step % 2**32
-    if bool((steps != expected).any()):
+    if any(s != expected for s in steps):
         raise PeerMismatchError(
-            f"ranks are out of lockstep: optimizer steps per rank are {steps.tolist()} "
+            f"ranks are out of lockstep: optimizer steps per rank are {steps} "
             f"(this rank expects {expected}); were they resumed from different checkpoints?")
-    return ((h[:, 2] & FLAG_NONFINITE) != 0).nonzero().flatten()
+    return [r for r, h in enumerate(rows) if h[2] & FLAG_NONFINITE]
 
 
 def read_presence(prefixes: torch.Tensor, n_params: int) -> torch.Tensor:
@@ -83,6 +115,23 @@ def read_presence(prefixes: torch.Tensor, n_params: int) -> torch.Tensor:
         anywhere |= row
     bits = (anywhere[:, None] >> torch.arange(8, device=bitmap.device)) & 1        # [bytes, 8]
     return bits.reshape(-1)[:n_params].bool()
+
+
+class Presence:
+    """Which layout parameters had a gradient on some rank. When this rank had one for every
+    parameter (training's common case) the answer is known on the host and nothing is read
+    from the device; otherwise `tolist()` reads the union the messages carried (one read)."""
+
+    def __init__(self, local: list[bool], union):
+        self._local, self._union = list(local), union      # union: () -> bool tensor [n_params]
+
+    def tensor(self) -> torch.Tensor:
+        return self._union()
+
+    def tolist(self) -> list[bool]:
+        if all(self._local):
+            return [True] * len(self._local)
+        return self._union().tolist()
 
 
 def trailer_numel(n_params: int) -> int:
@@ -97,15 +146,38 @@ def write_trailer(trailer: torch.Tensor, step: int, nonfinite: bool, present: li
     trailer.copy_(torch.tensor(values, dtype=trailer.dtype))
 
 
-def read_trailer(trailer: torch.Tensor, step: int, world: int) -> tuple[int, torch.Tensor]:
+class TrailerWriter:
+    """`write_trailer` step after step with fills only (`PrefixWriter`'s reason): the
+    presence part is copied only when it changes; the flag and the step's one-hot are fills."""
+
+    def __init__(self):
+        self._written: tuple | None = None
+
+    def write(self, trailer: torch.Tensor, step: int, nonfinite: bool, present: list[bool]) -> None:
+        key = (trailer.data_ptr(), trailer.numel(), tuple(present))
+        if key != self._written:
+            write_trailer(trailer, step, nonfinite, present)
+            self._written = key
+            return
+        trailer[0].fill_(float(nonfinite))
+        slots = trailer[1: 1 + LOCKSTEP_SLOTS]
+        slots.zero_()
+        slots[step % LOCKSTEP_SLOTS].fill_(1.0)
+
+
+def read_trailer(trailer: torch.Tensor, step: int, world: int, payload: torch.Tensor | None = None
+                 ) -> tuple[int, torch.Tensor, bool]:
     """The summed trailer -> (number of ranks that flagged non-finite gradients, presence
-    bool [n_params]); PeerMismatchError when the ranks were not all at `step` (mod 16)."""
-    values = trailer.to(torch.float64)
-    slots = values[1: 1 + LOCKSTEP_SLOTS]
-    if float(slots[step % LOCKSTEP_SLOTS]) != world or float(slots.sum()) != world:
+    bool [n_params] (on the device), whether `payload` (the summed payload, if given) is all
+    finite), in one host read; PeerMismatchError when the ranks were not all at `step` (mod 16)."""
+    slots = trailer[1: 1 + LOCKSTEP_SLOTS]          # counts of 0/1 values: exact in bf16 up to 256 ranks
+    largest = trailer.new_zeros(()) if payload is None else torch.linalg.vector_norm(payload, float("inf"))
+    flags, here, total, largest = torch.stack([trailer[0], slots[step % LOCKSTEP_SLOTS], slots.sum(),
+                                               largest.to(trailer.dtype)]).tolist()
+    if here != world or total != world:
         raise PeerMismatchError(f"ranks are out of lockstep at step {step}: step mod {LOCKSTEP_SLOTS} "
                                 f"counts per slot are {slots.tolist()}; were they resumed from different checkpoints?")
-    return int(values[0]), values[1 + LOCKSTEP_SLOTS:] > 0
+    return int(flags), trailer[1 + LOCKSTEP_SLOTS:] > 0, math.isfinite(largest)
 
 
 def fingerprint(description: str) -> torch.Tensor:
@@ -134,14 +206,22 @@ def check_nonfinite_policy(nonfinite: str) -> str:
 
 
 def all_finite(tensors) -> bool:
-    """True when every tensor is finite; one host sync for the whole list.
+    """True when every tensor is finite: one host read for the whole list and a number of
+    launches that does not grow with it (`_foreach_norm` groups the tensors by device and dtype).
 
-    A float sum propagates NaN and inf and costs one fast pass; only when a sum is not
-    finite (which a huge but finite tensor can also cause) is the exact check run.
+    The largest of the tensors' largest magnitudes (inf-norms, in float32; a NaN anywhere
+    makes it NaN) is finite exactly when every tensor is, except for a float64 value beyond
+    float32's range: only when it is not finite does the exact check run, tensor by tensor.
     """
     tensors = list(tensors)
     if not tensors:
         return True
-    if bool(torch.isfinite(torch.stack([t.sum(dtype=torch.float32) for t in tensors])).all()):
+    if math.isfinite(largest_magnitude(tensors).item()):
         return True
     return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def largest_magnitude(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """max over the tensors of max |x| as a float32 scalar on their device (NaN if any
+    element is NaN): three launches whatever the number of tensors."""
+    return torch.stack(torch._foreach_norm(tensors, float("inf"), dtype=torch.float32)).max()

@@ -1,0 +1,103 @@
+"""The envelope's cost per step as a GPU would pay it, counted on CPU (`thinwire.audit`):
+its prefix and trailer are sealed without a copy from the host and read in one host read,
+and the grouped optimizers' steps launch a number of kernels that does not grow with the
+number of parameter tensors (GPT-2 shapes at 2 and 8 blocks, narrow widths: the counts
+depend on the tensors' number and grouping, not their sizes). World 2, real gloo processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import thinwire
+from tests.dist import run_workers
+from thinwire.audit import StepAudit
+from thinwire.optim.protocol import PrefixWriter, TrailerWriter, write_prefix, write_trailer
+
+SYNC_EVERY = 4
+
+
+def _gpt2_shapes(blocks: int, d: int = 16, vocab: int = 64, context: int = 16) -> list[tuple[int, ...]]:
+    shapes = [(vocab, d), (context, d)]
+    for _ in range(blocks):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+BUILDS = {
+    "torch-adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+    "dense-adamw": lambda ps: thinwire.DenseAllReduce(torch.optim.AdamW(ps, lr=1e-3, foreach=True)),
+    "diloco": lambda ps: thinwire.DiLoCo(ps, inner=lambda q: torch.optim.AdamW(q, lr=1e-3, foreach=True),
+                                         sync_every=SYNC_EVERY),
+}
+
+
+def _audited_cycle(rank: int, world: int, name: str, blocks: int) -> list[tuple[int, int]]:
+    """(launches, host reads) of each step of one steady-state cycle of `name` on this rank."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in _gpt2_shapes(blocks)]
+    opt = BUILDS[name](params)
+    counts = []
+    for step in range(3 * SYNC_EVERY):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen) * (1 + rank)
+        audit = StepAudit(host_tensors=StepAudit.host_steps(opt))
+        with audit:
+            opt.step()
+        if step >= 2 * SYNC_EVERY:                    # the first cycles create state
+            counts.append((audit.launches, audit.host_reads))
+    return counts
+
+
+def _audit_all(rank: int, world: int) -> dict:
+    return {(name, blocks): _audited_cycle(rank, world, name, blocks) for name in BUILDS for blocks in (2, 8)}
+
+
+@pytest.fixture(scope="module")
+def audited():
+    return run_workers(_audit_all, 2)[0]
+
+
+@pytest.mark.parametrize("name", ["dense-adamw", "diloco"])
+def test_launches_do_not_grow_with_the_number_of_tensors(audited, name):
+    assert audited[(name, 2)] == audited[(name, 8)]           # 28 and 100 tensors: every step the same
+
+
+@pytest.mark.parametrize("name", ["dense-adamw", "diloco"])
+def test_a_step_reads_the_host_at_most_twice(audited, name):
+    """Once for this rank's gradients' finiteness (its message depends on it), once for the
+    status every rank's message carried; a local step only the first."""
+    reads = [r for _, r in audited[(name, 8)]]
+    assert max(reads) <= 2
+    if name == "diloco":
+        assert sorted(reads) == [1] * (SYNC_EVERY - 1) + [2]
+
+
+@pytest.mark.parametrize("name", ["dense-adamw", "diloco"])
+def test_every_step_within_four_times_torch_adamw_foreach_launches(audited, name):
+    adamw = max(n for n, _ in audited[("torch-adamw-foreach", 8)])
+    assert max(n for n, _ in audited[(name, 8)]) <= 4 * adamw
+
+
+def test_the_prefix_writer_writes_what_write_prefix_writes_step_after_step():
+    n = 13
+    writer, buf, want = PrefixWriter(), torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    present = [True] * n
+    for step, flags in ((1, 0), (2, 1), (2**31 + 5, 0), (2**32 + 3, 1), (7, 0)):
+        if step == 7:
+            present = [i % 3 != 0 for i in range(n)]          # the presence changes: written whole again
+        writer.write(buf, step, flags, present)
+        write_prefix(want, step, flags, present)
+        assert torch.equal(buf, want), step
+
+
+def test_the_trailer_writer_writes_what_write_trailer_writes_step_after_step():
+    n = 5
+    writer, buf, want = TrailerWriter(), torch.zeros(1 + 16 + n), torch.zeros(1 + 16 + n)
+    present = [True] * n
+    for step, bad in ((1, False), (2, True), (17, False), (18, False), (40, True)):
+        if step == 18:
+            present = [False, True, True, False, True]
+        writer.write(buf, step, bad, present)
+        write_trailer(want, step, bad, present)
+        assert torch.equal(buf, want), step
