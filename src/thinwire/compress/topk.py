@@ -113,7 +113,10 @@ class ChunkedTopK:
     def select_at(self, image: torch.Tensor, shape, scratch: torch.Tensor | None = None):
         """`select`, with the kept coefficients' flat positions in the image between:
         (indices [n_chunks, k], positions [n_chunks, k] int64, values [n_chunks, k])."""
-        plan, k = self.plan(shape), self.k(shape)
+        return self.select_in(image, self.plan(shape), self.k(shape), scratch)
+
+    def select_in(self, image: torch.Tensor, plan: ChunkPlan, k: int, scratch: torch.Tensor | None = None):
+        """`select_at` on an image laid out by `plan` (a tensor's, or a group's stacked images)."""
         (gr, gc), h, w = plan.grid, plan.chunk_rows, plan.chunk_cols
         if scratch is None:
             scratch = torch.empty(plan.padded_numel, device=image.device)
@@ -121,7 +124,7 @@ class ChunkedTopK:
         # [R, C] -> [gr, h, gc, w] -> [gr, gc, h, w]: |coefficients| chunk-major, one strided pass
         torch.abs(image.view(gr, h, gc, w).permute(0, 2, 1, 3), out=magnitude)
         idx = largest_indices(magnitude.view(plan.num_chunks, h * w), k)
-        if self.coding(shape).sorted:
+        if self.indices == "elias-fano":                                  # the coding that sends rows sorted
             idx = ascending(idx, h * w)                                  # each chunk's ascending, as the coding sends them
         positions = self.positions(plan, idx)
         return idx, positions, torch.take(image, positions)              # image.view(-1)[positions], 5x faster on CPU

@@ -44,7 +44,9 @@ from ..compress import AGGREGATIONS, TRANSFORMS, ChunkedTopK, Payload
 from ..compress.topk import raise_malformed
 from ..ops import add_sign_, add_spectral_
 from ..wire import CODEC_NAMES, checks
+from . import demo_groups
 from .base import CommunicatingOptimizer, Member
+from .demo_groups import Groups
 from .exchange import GatherAll
 from .flat import spans
 from .shards import is_sharded, own_rows, whole
@@ -201,6 +203,8 @@ class DeMo(CommunicatingOptimizer):
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None   # reused transform scratch
         self._ahead: dict[torch.Tensor, torch.Tensor] = {}    # lookahead='momentum': direction, per parameter
         self._ahead_step = 0                                   # the step those directions belong to
+        self._groups: tuple | None = None                      # (what decided them, `Groups`)
+        self.grouped = True                                    # False: every parameter on the per-tensor path
         self.arrival_status: torch.Tensor | None = None       # the last landing's malformed-payload flag (device)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -244,11 +248,24 @@ class DeMo(CommunicatingOptimizer):
                 else:
                     state["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             _check_momentum(state["momentum"], p, comp, group)
+        slots = self._slots(layout)
+        self._grouping(slots).adopt(self.state, slots)
+
+    def _grouping(self, slots: list[Slot]) -> Groups:
+        """The layout's groups (`thinwire.optim.demo_groups`), rebuilt when the layout or a
+        setting that decides them changes; with `grouped` False every slot is in `rest`."""
+        key = (self.grouped, tuple((id(s.key), tuple(s.param.shape), s.param.dtype, s.param.device, id(s.group),
+                                    id(s.comp), s.offset, s.group["base"], s.group["momentum_domain"]) for s in slots))
+        if self._groups is None or self._groups[0] != key:
+            nbytes = slots[-1].offset + slots[-1].nbytes if slots else 0
+            self._groups = (key, Groups(slots, nbytes, momentum_in_transform if self.grouped else lambda g: False))
+        return self._groups[1]
 
     def _scratch(self, slots: list[Slot]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two flat float32 buffers, each the size of the largest padded parameter, kept
-        across steps: the transforms' intermediates go there instead of fresh tensors."""
-        numel = max(s.comp.plan(s.param.shape).padded_numel for s in slots)
+        """Two flat float32 buffers, each the size of the largest padded parameter (or group),
+        kept across steps: the transforms' intermediates go there instead of fresh tensors."""
+        groups = self._grouping(slots)
+        numel = max([groups.numel] + [slots[i].comp.plan(slots[i].param.shape).padded_numel for i in groups.rest])
         device = slots[0].param.device
         if self._buffers is None or self._buffers[0].numel() < numel or self._buffers[0].device != device:
             self._buffers = tuple(torch.empty(numel, device=device) for _ in range(2))
@@ -257,34 +274,44 @@ class DeMo(CommunicatingOptimizer):
     def _encode(self, step: int, layout: list[Member], exchange: GatherAll) -> None:
         """M ← βM + w·g (w: `gradient_weight`), each parameter's top-k payload into the message,
         then M ← M − α·T⁻¹(Q̂_i): the sent part, as the wire delivers it, leaves M now (it is
-        known before any peer answers), so the next step's encode never waits for this exchange."""
+        known before any peer answers), so the next step's encode never waits for this exchange.
+        Groups first (`demo_groups.encode`), then the parameters on the per-tensor path."""
         slots = self._slots(layout)
-        a, b = self._scratch(slots)
-        payload = exchange.payload
-        for group, p, comp, offset, n, key in slots:
-            m, plan, out = self.state[key]["momentum"], comp.plan(p.shape), payload[offset: offset + n]
-            beta, weight = group["beta"], gradient_weight(group)
-            if momentum_in_transform(group):                # T is linear: T(βM + wg) = βT(M) + wT(g)
-                if p.grad is None:
-                    m.mul_(beta)
-                else:                                       # one batched GEMM does the decay and the add
-                    comp.transform.forward_image(plan.transform_input(p.grad, a), plan, step, out=m, scratch=b,
-                                                 beta=beta, alpha=weight)
-                sent = comp.select(m, p.shape, scratch=a)
-            else:
-                m.mul_(beta)                                # M ← βM + w·g
-                if p.grad is not None:
-                    m.add_(p.grad, alpha=weight)
-                image = comp.transform.forward_image(plan.transform_input(m, a), plan, step, out=plan.matrix_in(a),
-                                                     scratch=b)
-                sent = comp.select(image, p.shape, scratch=b)
-            values = comp.write(sent, p.shape, out=out).parts["values"]
-            if self.lookahead_form == "momentum":        # lookahead needs overlap (checked at init)
-                self._keep_ahead(step, key, m)
-            own = (sent[0], comp.codec.decode(values, *sent[1].shape))    # Q̂_i: the values as the wire has them
-            self._subtract_sent(step, group, p, comp, m, own, -group["alpha"], (a, b))
+        scratch, groups = self._scratch(slots), self._grouping(slots)
+        ahead = self.lookahead_form == "momentum"            # lookahead needs overlap (checked at init)
+        for g in groups.groups:
+            demo_groups.encode(g, slots, step, exchange.payload, scratch, gradient_weight(g.hyper), ahead)
+        for i in groups.rest:
+            self._encode_slot(step, slots[i], exchange.payload, scratch)
+        self._ahead_step = step
 
-    def _keep_ahead(self, step: int, key: torch.Tensor, m: torch.Tensor) -> None:
+    def _encode_slot(self, step: int, slot: Slot, payload: torch.Tensor, scratch) -> None:
+        """`_encode` for one parameter on the per-tensor path (the reference the groups are tested against)."""
+        group, p, comp, offset, n, key = slot
+        a, b = scratch
+        m, plan, out = self.state[key]["momentum"], comp.plan(p.shape), payload[offset: offset + n]
+        beta, weight = group["beta"], gradient_weight(group)
+        if momentum_in_transform(group):                # T is linear: T(βM + wg) = βT(M) + wT(g)
+            if p.grad is None:
+                m.mul_(beta)
+            else:                                       # one batched GEMM does the decay and the add
+                comp.transform.forward_image(plan.transform_input(p.grad, a), plan, step, out=m, scratch=b,
+                                             beta=beta, alpha=weight)
+            sent = comp.select(m, p.shape, scratch=a)
+        else:
+            m.mul_(beta)                                # M ← βM + w·g
+            if p.grad is not None:
+                m.add_(p.grad, alpha=weight)
+            image = comp.transform.forward_image(plan.transform_input(m, a), plan, step, out=plan.matrix_in(a),
+                                                 scratch=b)
+            sent = comp.select(image, p.shape, scratch=b)
+        values = comp.write(sent, p.shape, out=out).parts["values"]
+        if self.lookahead_form == "momentum":
+            self._keep_ahead(key, m)
+        own = (sent[0], comp.codec.decode(values, *sent[1].shape))    # Q̂_i: the values as the wire has them
+        self._subtract_sent(step, group, p, comp, m, own, -group["alpha"], scratch)
+
+    def _keep_ahead(self, key: torch.Tensor, m: torch.Tensor) -> None:
         """lookahead='momentum': M_i before the subtraction, copied while encoding where it is at
         hand (the sent part need not be read back and re-added later); its inverse transform
         waits for `_estimate`, after the message has left."""
@@ -292,7 +319,6 @@ class DeMo(CommunicatingOptimizer):
         if ahead is None or ahead.shape != m.shape or ahead.device != m.device:
             ahead = self._ahead[key] = torch.empty(m.shape, device=m.device)   # float32, like Δ
         ahead.copy_(m)
-        self._ahead_step = step
 
     def _subtract_sent(self, step: int, group: dict, p, comp: ChunkedTopK, m: torch.Tensor, own: tuple,
                        alpha: float, scratch: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -328,8 +354,13 @@ class DeMo(CommunicatingOptimizer):
         if self._ahead_step != step:                        # not encoded (non-finite gradients): stay at θ
             return
         _, scratch = self._scratch(slots)
-        for (group, p, comp, _offset, _n, key), here in zip(slots, present):
-            if not here:
+        groups = self._grouping(slots)
+        for g in groups.groups:                             # M_i + α T⁻¹(Q̂_i): the group's image -> padded matrices
+            g.chunks.comp.transform.inverse_image(g.ahead, g.chunks.plan, step, scratch=scratch)
+            demo_groups.step_params(g, slots, g.ahead, present)
+        for i in groups.rest:
+            group, p, comp, _offset, _n, key = slots[i]
+            if not present[i]:
                 continue
             ahead = self._ahead[key]                        # M_i + α T⁻¹(Q̂_i) = M_i before the subtraction
             if momentum_in_transform(group):                # image [R, C] -> padded matrix, cropped
@@ -346,17 +377,25 @@ class DeMo(CommunicatingOptimizer):
         """Δ = T⁻¹(aggregate of the payload rows of `gathered` [ranks, payload bytes]); θ ← θ(1 − ηλ) − η φ(Δ).
         Every payload is decoded and checked first (on the device, `arrival_status`), read once:
         a malformed one raises ValueError on every rank before any parameter moves."""
-        reads, flags = {}, []
-        for i, ((group, p, comp, offset, n, key), anywhere) in enumerate(zip(slots, present)):
-            if anywhere:
+        groups, world = self._grouping(slots), gathered.shape[0]
+        flat = gathered.reshape(-1) if groups.groups else None          # [W · nbytes]: a copy if strided
+        decoded = [g.chunks.received(flat, world) for g in groups.groups]
+        reads, flags = {}, [f for _, _, fs in decoded for f in fs]
+        for i in groups.rest:
+            group, p, comp, offset, n, key = slots[i]
+            if present[i]:
                 spec = comp.payload_spec(p.shape)
                 got = [comp.read_flagged(Payload.from_buffer(gathered[r, offset: offset + n], spec), p.shape)
-                       for r in range(gathered.shape[0])]                     # rank order
+                       for r in range(world)]                               # rank order
                 reads[i] = [read for read, _ in got]
                 flags += [f for _, fs in got for f in fs]
         self.arrival_status = checks.any_of(flags)
         raise_malformed(self.arrival_status, f" at step {step}")
         a, b = self._scratch(slots)
+        for g, (positions, values, _) in zip(groups.groups, decoded):
+            delta = demo_groups.aggregate(g, positions, values, out=a, counts=b)
+            g.chunks.comp.transform.inverse_image(delta, g.chunks.plan, step, scratch=b)
+            demo_groups.step_params(g, slots, delta, present)
         for i, read in reads.items():
             group, p, comp, _, _, key = slots[i]
             step_param(p, comp.aggregate(read, p.shape, step, group["aggregate"], out=a, scratch=b), group, key)

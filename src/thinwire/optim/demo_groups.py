@@ -1,0 +1,156 @@
+"""DeMo's grouped hot path: the parameters of one chunk geometry as one flat momentum, one
+batched transform, one top-k, one pack and one decode per group (`thinwire.compress.chunk_group`).
+
+The same equations as the per-tensor path in `thinwire.optim.demo` (its module docstring):
+
+    T(M) ← β T(M) + w T(g)          one GEMM and one batched GEMM over the group's stacked images
+    Q_i = Top-k per chunk of T(M)   one top-k over every chunk of the group
+    T(M) ← T(M) − α Q̂_i            one index_add_ (indices unique, no two writes meet)
+    Δ = T⁻¹(mean_j Q̂_j)            one index_add_ per rank, in rank order, then one inverse transform
+    θ ← θ(1 − ηλ) − η φ(Δ)          `_foreach_mul_`, one sign_ over the group, `_foreach_add_`
+
+A group is the parameters of one param group with one (h, w, padded columns) geometry that
+keep their momentum as transform coefficients (momentum_domain 'auto'/'transform' with 'dct'
+or 'identity'), are float32 and not sharded, step with base 'signum' or 'sgd', and are
+`groupable` (no padded columns; whole bytes per chunk). The others take the per-tensor path.
+Each member's `state[p]["momentum"]` is a view [R_i, C] of its group's flat momentum, so
+`state_dict` / `load_state_dict` see the per-parameter tensors they always did (a loaded one
+is copied into the group's buffer at the next step).
+
+Same arithmetic as the per-tensor path, bit for bit on CPU (tests/optim/test_demo_groups.py):
+the GEMMs see the same [·, w] × [w, w] and [h, h] × [h, C] products, only more of them per
+call; the sums over ranks run in rank order as before. On a GPU, a GEMM over more rows can
+pick another kernel (another summation order over w or h: float rounding only), and top-k
+over more rows another algorithm, which may break ties between equal magnitudes otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..compress.chunk_group import ChunkGroup, geometry, groupable
+
+
+def eligible(slot, momentum_in_transform) -> bool:
+    """Whether a `demo.Slot` can join a group (module docstring)."""
+    group, p, comp = slot.group, slot.param, slot.comp
+    return (momentum_in_transform(group) and group["transform"] in ("dct", "identity") and p is slot.key
+            and p.dtype == torch.float32 and group["base"] in ("signum", "sgd") and groupable(comp, p.shape))
+
+
+class Group:
+    """One group: its `ChunkGroup`, its members (indices into the slots), its flat momentum
+    [ΣR_i, C] and byte scratch, and lookahead's copy of the momentum (made on first use)."""
+
+    def __init__(self, slots, members: list[int], nbytes: int):
+        first = slots[members[0]]
+        device = first.param.device
+        self.members, self.hyper = members, first.group
+        self.chunks = ChunkGroup(first.comp, [slots[i].param.shape for i in members],
+                                 [slots[i].offset for i in members], nbytes, device)
+        self.momentum = torch.zeros(self.chunks.plan.padded_rows, self.chunks.plan.padded_cols, device=device)
+        self.packed = torch.empty(self.chunks.group_nbytes, dtype=torch.uint8, device=device)
+        self.ahead: torch.Tensor | None = None
+        self.zeros = torch.zeros(max(self.chunks.rows) * self.chunks.plan.padded_cols, device=device)
+
+
+class Groups:
+    """The layout's groups and the slots left to the per-tensor path (`rest`)."""
+
+    def __init__(self, slots, nbytes: int, momentum_in_transform):
+        by_key: dict[tuple, list[int]] = {}
+        self.rest = []
+        for i, s in enumerate(slots):
+            if eligible(s, momentum_in_transform):
+                key = (id(s.group), id(s.comp), s.param.device, geometry(s.comp, s.param.shape))
+                by_key.setdefault(key, []).append(i)
+            else:
+                self.rest.append(i)
+        self.groups = [Group(slots, members, nbytes) for members in by_key.values()]
+
+    @property
+    def numel(self) -> int:
+        """Scratch elements the largest group needs."""
+        return max((g.momentum.numel() for g in self.groups), default=1)
+
+    def adopt(self, state, slots) -> None:
+        """Each member's state["momentum"] a view of its group's buffer; a tensor put there by
+        load_state_dict (or the first step's zeros) is copied in first."""
+        for g in self.groups:
+            for i, view in zip(g.members, g.chunks.views(g.momentum)):
+                m = state[slots[i].key]["momentum"]
+                if m.data_ptr() != view.data_ptr() or m.shape != view.shape:
+                    view.copy_(m)
+                    state[slots[i].key]["momentum"] = view
+
+
+def gradients_into(g: Group, slots, x: torch.Tensor) -> None:
+    """The members' gradients into x (flat, ΣR_i·C), image by image: zeros for a missing
+    gradient and below a member's rows (its row padding, which the transform must see as 0)."""
+    cols, pieces = g.chunks.plan.padded_cols, []
+    for i, rows in zip(g.members, g.chunks.rows):
+        p = slots[i].param
+        if p.grad is None:
+            pieces.append(g.zeros[: rows * cols])
+            continue
+        pieces.append(p.grad.reshape(-1))
+        if rows * cols > p.numel():
+            pieces.append(g.zeros[: rows * cols - p.numel()])
+    torch.cat(pieces, out=x[: g.momentum.numel()])
+
+
+def encode(g: Group, slots, step: int, payload: torch.Tensor, scratch, weight: float, ahead: bool) -> None:
+    """T(M) ← βT(M) + wT(g); the top-k of every chunk into the message; T(M) ← T(M) − αQ̂_i."""
+    a, b = scratch
+    comp, plan, beta = g.chunks.comp, g.chunks.plan, g.hyper["beta"]
+    x = plan.matrix_in(a)
+    gradients_into(g, slots, a)
+    # T(M) ← βT(M) + wT(g): one GEMM over the stacked images, one batched GEMM over their row blocks
+    comp.transform.forward_image(x, plan, step, out=g.momentum, scratch=b, beta=beta, alpha=weight)
+    positions, sent = g.chunks.send(g.momentum, payload, g.packed, scratch=a)
+    if ahead:                                                # lookahead='momentum': M before the subtraction
+        if g.ahead is None:
+            g.ahead = torch.empty_like(g.momentum)
+        g.ahead.copy_(g.momentum)
+    # T(M) ← T(M) − α Q̂_i: positions unique, so no two writes meet
+    g.momentum.view(-1).index_add_(0, positions.view(-1), sent.view(-1), alpha=-g.hyper["alpha"])
+    for i, view in zip(g.members, g.chunks.views(g.momentum)):
+        plan_i = comp.plan(slots[i].param.shape)
+        if plan_i.padded:                                    # what lands in the padding is dropped
+            comp.transform.zero_padding_(view, plan_i, step)
+
+
+def aggregate(g: Group, positions: torch.Tensor, values: torch.Tensor, out: torch.Tensor,
+              counts: torch.Tensor) -> torch.Tensor:
+    """The group's image of Σ_j Q̂_j / W ('mean') or / (ranks that sent each coefficient)
+    ('senders'), ranks summed in rank order (one index_add_ each: no atomics across ranks)."""
+    image = g.chunks.plan.matrix_in(out).zero_()
+    for r in range(positions.shape[0]):
+        image.view(-1).index_add_(0, positions[r].view(-1), values[r].view(-1))
+    if g.hyper["aggregate"] == "mean":
+        return image.div_(positions.shape[0])
+    count = g.chunks.plan.matrix_in(counts).zero_()
+    for r in range(positions.shape[0]):
+        count.view(-1).index_add_(0, positions[r].view(-1), torch.ones_like(values[r]).view(-1))
+    return image.div_(count.clamp_(min=1))
+
+
+def step_params(g: Group, slots, delta: torch.Tensor, present: list[bool] | None = None) -> None:
+    """θ ← θ(1 − ηλ), then θ ← θ − η φ(Δ) (`demo.step_param`) for the members (those `present`),
+    with one op per group: Δ the group's image, padding rows included."""
+    hyper = g.hyper
+    keep = [j for j, i in enumerate(g.members) if present is None or present[i]]
+    params = [slots[g.members[j]].param for j in keep]
+    if not params:
+        return
+    crops = g.chunks.crops(delta)
+    crops = [crops[j] for j in keep]
+    if hyper["weight_decay"]:
+        torch._foreach_mul_(params, 1.0 - hyper["lr"] * hyper["weight_decay"])
+    if hyper["base"] == "sgd":
+        alpha = 1.0 if hyper["momentum_form"] == "reference" else hyper["lr"]
+        torch._foreach_add_(params, crops, alpha=-alpha)
+    else:                                                    # signum: sign over the whole image at once
+        delta.sign_()
+        torch._foreach_add_(params, crops, alpha=-hyper["lr"])
+

@@ -1,0 +1,109 @@
+"""DeMo's grouped hot path (`thinwire.optim.demo_groups`) against its per-tensor path
+(`opt.grouped = False`, the reference the groups must follow): the same parameters and
+momenta bit for bit, the same messages byte for byte, state_dict as per-parameter tensors."""
+
+import copy
+
+import pytest
+import torch
+
+import thinwire
+from thinwire.audit import StepAudit
+
+# chunk 64: groups of (h, w, padded cols) (64, 64, 64), (64, 64, 192), (1, 64, 64), (1, 64, 192);
+# (100, 64) pads its rows to 128; (37, 24) and (37,) are chunks of their own; (10, 37) pads
+# its columns (chunk 16) and stays on the per-tensor path
+SHAPES = [(128, 64), (64,), (192,), (64, 192), (256, 64), (100, 64), (37, 24), (37,), (64, 64)]
+SETTINGS = [{}, dict(values="int8"), dict(values="sign"), dict(values="fp32", transform="identity"),
+            dict(base="sgd"), dict(aggregate="senders"), dict(momentum_form="reference", base="sgd"),
+            dict(overlap=True, lookahead="momentum"), dict(overlap=True, lookahead="message"),
+            dict(chunk=16, topk=5)]
+
+
+def _run(grouped: bool, steps: int = 6, shapes=SHAPES, **kw):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    opt = thinwire.DeMo(params, **{"lr": 0.01, "topk": 8, "chunk": 64, "weight_decay": 0.1, **kw})
+    opt.grouped = grouped
+    grads = torch.Generator().manual_seed(1)
+    messages = []
+    for t in range(steps):
+        for i, p in enumerate(params):
+            p.grad = None if (t == 2 and i == 1) else torch.randn(p.shape, generator=grads)
+        opt.step()
+        messages.append(opt._messages[(t + 1) % 2].buffer.clone())
+    if kw.get("overlap"):
+        opt.flush()
+    return params, opt, messages
+
+
+@pytest.mark.parametrize("kw", SETTINGS, ids=str)
+def test_groups_follow_the_per_tensor_path_bit_for_bit(kw):
+    ours, opt, sent = _run(True, **kw)
+    ref, ref_opt, ref_sent = _run(False, **kw)
+    assert opt._groups[1].groups and not ref_opt._groups[1].groups
+    for p, q in zip(ours, ref):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["momentum"], ref_opt.state[q]["momentum"])
+    for a, b in zip(sent, ref_sent):
+        assert torch.equal(a, b)                       # the wire format is the per-tensor one
+
+
+def test_a_padded_column_shape_stays_on_the_per_tensor_path():
+    _, opt, _ = _run(True, steps=1, shapes=[(10, 37), (32, 16)], chunk=16, topk=8)
+    groups = opt._groups[1]
+    assert groups.rest == [0] and [g.members for g in groups.groups] == [[1]]
+
+
+def test_ties_between_equal_magnitudes_resolve_as_on_the_per_tensor_path():
+    """Every coefficient ±1 (identity transform): top-k chooses among ties; the group's one
+    call over all chunks must choose as the per-tensor calls did (on CPU it does: each row is
+    selected on its own; a GPU's top-k may pick another algorithm for more rows)."""
+    results = []
+    for grouped in (True, False):
+        params = [torch.nn.Parameter(torch.zeros(s)) for s in [(64, 64), (128, 64)]]
+        opt = thinwire.DeMo(params, lr=0.01, topk=8, chunk=64, transform="identity", values="fp32", base="sgd")
+        opt.grouped = grouped
+        for p in params:
+            p.grad = torch.ones(p.shape)
+        opt.step()
+        results.append(([p.detach().clone() for p in params], opt._messages[1].buffer.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0]))
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_state_is_per_parameter_views_and_a_loaded_state_resumes_in_lockstep():
+    params, opt, _ = _run(True, steps=3)
+    group = opt._groups[1].groups[0]
+    m = opt.state[params[0]]["momentum"]
+    assert m.shape == (128, 64) and m.untyped_storage().data_ptr() == group.momentum.untyped_storage().data_ptr()
+    saved = copy.deepcopy(opt.state_dict())                # as torch.save / torch.load would
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = thinwire.DeMo(copies, lr=0.01, topk=8, chunk=64, weight_decay=0.1)
+    fresh.load_state_dict(saved)
+    grads = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        for p, q in zip(params, copies):
+            p.grad = torch.randn(p.shape, generator=grads)
+            q.grad = p.grad.clone()
+        opt.step()
+        fresh.step()
+    for p, q in zip(params, copies):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["momentum"], fresh.state[q]["momentum"])
+
+
+def test_launches_do_not_grow_with_the_parameter_count():
+    """One steady-state step of the same geometries, 3 and 12 tensors of each: the same launches."""
+    counts = []
+    for copies in (3, 12):
+        params = [torch.nn.Parameter(torch.randn(s)) for _ in range(copies) for s in [(64, 64), (64,), (64, 192)]]
+        opt = thinwire.DeMo(params, lr=0.01, topk=8, chunk=64)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape)
+            audit = StepAudit()
+            with audit:
+                opt.step()
+        counts.append(audit.launches)
+    assert counts[0] == counts[1]
