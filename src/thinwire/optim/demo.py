@@ -24,6 +24,13 @@ mean-over-senders); a dimension with no divisor in [chunk/2, chunk] is zero-padd
 than chunked by 1; indices travel bit-packed and values in `values` precision; all
 parameters share one all-gathered message (`GatherAll`); the momentum lives in `self.state[p]['momentum']`.
 
+The hot path runs once per group of parameters of one chunk geometry (one flat momentum, one
+batched transform, top-k, pack and decode per group, `_foreach_*` updates:
+`thinwire.optim.demo_groups`), each `state[p]['momentum']` a view of its group's buffer; the
+per-tensor path is kept for what cannot group and as the reference (`opt.grouped = False`),
+bit-identical on CPU. What arrived is checked on the device (`arrival_status`, a 0-dim bool,
+True when a payload was malformed) and read once per step, after every payload is decoded.
+
 Two tiers (FSDP2 shards inside a site, `process_group` = the group across sites; see
 `thinwire.optim.shards`): M, T, top-k, the message and the sign step run on this rank's
 shard; each shard is chunked on its own, which gives the whole matrix's chunks when the
@@ -40,21 +47,17 @@ from typing import NamedTuple
 
 import torch
 
-from ..compress import AGGREGATIONS, TRANSFORMS, ChunkedTopK, Payload
+from ..compress import ChunkedTopK, Payload
 from ..compress.topk import raise_malformed
-from ..ops import add_sign_, add_spectral_
-from ..wire import CODEC_NAMES, checks
+from ..wire import checks
 from . import demo_groups
 from .base import CommunicatingOptimizer, Member
 from .demo_groups import Groups
+from .demo_rules import (BASES, DOMAINS, LOOKAHEADS, MOMENTUM_FORMS, check_group, check_momentum, apply_base,  # noqa: F401
+                         gradient_weight, momentum_in_transform, step_param)
 from .exchange import GatherAll
 from .flat import spans
-from .shards import is_sharded, own_rows, whole
 
-BASES = ("signum", "sgd", "muon")
-DOMAINS = ("auto", "param", "transform")
-MOMENTUM_FORMS = ("ema", "reference")
-LOOKAHEADS = ("none", "momentum", "message")
 _WIRE_KEYS = ("topk", "chunk", "transform", "values", "seed", "aggregate", "base", "momentum_domain", "momentum_form")
 
 
@@ -66,76 +69,6 @@ class Slot(NamedTuple):
     offset: int
     nbytes: int
     key: torch.Tensor                 # the parameter itself (param: its shard under FSDP2)
-
-
-def _check_group(g: dict) -> None:
-    """ValueError naming the first invalid hyperparameter of a param group."""
-    if not g["lr"] >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {g['lr']}")
-    if not 0.0 <= g["beta"] < 1.0:
-        raise ValueError(f"beta must be in [0, 1), got {g['beta']}")
-    if not 0.0 < g["alpha"] <= 1.0:
-        raise ValueError(f"alpha must be in (0, 1], got {g['alpha']}")
-    for name in ("topk", "chunk"):
-        value = g[name]
-        if isinstance(value, bool) or int(value) != value or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    for name, valid in (("transform", TRANSFORMS), ("base", BASES), ("values", CODEC_NAMES),
-                        ("aggregate", AGGREGATIONS), ("momentum_domain", DOMAINS),
-                        ("momentum_form", MOMENTUM_FORMS)):
-        if g[name] not in valid:
-            raise ValueError(f"{name} must be one of {valid}, got {g[name]!r}")
-    if g["momentum_domain"] == "transform" and g["transform"] == "random":
-        raise ValueError("momentum_domain='transform' needs a fixed basis: transform must be 'dct' or 'identity'")
-    if not g["weight_decay"] >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {g['weight_decay']}")
-
-
-def momentum_in_transform(group: dict) -> bool:
-    """Whether the group keeps M as transform coefficients (momentum_domain, 'auto' resolved)."""
-    domain = group["momentum_domain"]
-    return domain == "transform" or (domain == "auto" and group["transform"] != "random")
-
-
-def gradient_weight(group: dict) -> float:
-    """The weight of g in M ← βM + w·g: 1 − β (the paper's EMA) or η (the reference's)."""
-    return group["lr"] if group["momentum_form"] == "reference" else 1.0 - group["beta"]
-
-
-def _check_momentum(m: torch.Tensor, p: torch.Tensor, comp: ChunkedTopK, group: dict) -> None:
-    """A loaded momentum must have this group's layout: a state_dict from another
-    momentum_domain or chunk size would otherwise be misread, not rejected."""
-    plan = comp.plan(p.shape)
-    expected = (plan.padded_rows, plan.padded_cols) if momentum_in_transform(group) else tuple(p.shape)
-    if tuple(m.shape) != expected:
-        raise ValueError(f"momentum of a {tuple(p.shape)} parameter has shape {tuple(m.shape)}, expected "
-                         f"{expected} for momentum_domain={group['momentum_domain']!r}, chunk={group['chunk']}: "
-                         "was the state_dict saved with other settings?")
-
-
-def apply_base(p: torch.Tensor, delta: torch.Tensor, group: dict, key: torch.Tensor) -> None:
-    """θ ← θ − η φ(Δ); for φ = identity with the reference's momentum form, θ ← θ − Δ.
-    Newton–Schulz (base 'muon') runs on the whole Δ of a sharded parameter `key`, gathered
-    over its site; sign and identity are elementwise, on the shard."""
-    lr, base = group["lr"], group["base"]
-    if base == "sgd":
-        p.sub_(delta.to(p.dtype), alpha=1.0 if group["momentum_form"] == "reference" else lr)
-    elif base == "muon" and p.dim() >= 2:
-        if is_sharded(key):                         # NS(Δ) of the whole matrix, our rows of it
-            full = torch.zeros(key.shape, dtype=p.dtype, device=p.device)
-            add_spectral_(full, whole(key, delta), -lr)
-            p.add_(own_rows(key, full))
-        else:
-            add_spectral_(p, delta, -lr)
-    else:  # signum, and muon's fallback for vectors and scalars
-        add_sign_(p, delta, -lr, consume=True)        # delta lives in a scratch buffer
-
-
-def step_param(p: torch.Tensor, delta: torch.Tensor, group: dict, key: torch.Tensor) -> None:
-    """θ ← θ(1 − ηλ), then θ ← θ − η φ(Δ) (`apply_base`)."""
-    if group["weight_decay"]:
-        p.mul_(1.0 - group["lr"] * group["weight_decay"])
-    apply_base(p, delta, group, key)
 
 
 class DeMo(CommunicatingOptimizer):
@@ -192,7 +125,7 @@ class DeMo(CommunicatingOptimizer):
         defaults = dict(lr=lr, beta=beta, alpha=alpha, topk=topk, chunk=chunk, transform=transform, base=base,
                         weight_decay=weight_decay, values=values, aggregate=aggregate,
                         momentum_domain=momentum_domain, momentum_form=momentum_form, seed=seed)
-        _check_group(defaults)
+        check_group(defaults)
         super().__init__(params, defaults)
         if lookahead not in LOOKAHEADS:
             raise ValueError(f"lookahead must be one of {LOOKAHEADS}, got {lookahead!r}")
@@ -208,7 +141,7 @@ class DeMo(CommunicatingOptimizer):
         self.arrival_status: torch.Tensor | None = None       # the last landing's malformed-payload flag (device)
 
     def add_param_group(self, param_group: dict) -> None:
-        _check_group({**self.defaults, **param_group})
+        check_group({**self.defaults, **param_group})
         super().add_param_group(param_group)
 
     def compressor(self, group: dict) -> ChunkedTopK:
@@ -247,7 +180,7 @@ class DeMo(CommunicatingOptimizer):
                     state["momentum"] = torch.zeros(plan.padded_rows, plan.padded_cols, device=p.device)
                 else:
                     state["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            _check_momentum(state["momentum"], p, comp, group)
+            check_momentum(state["momentum"], p, comp, group)
         slots = self._slots(layout)
         self._grouping(slots).adopt(self.state, slots)
 
