@@ -285,16 +285,14 @@ class CommunicatingOptimizer(EnvelopeCheckpoints, torch.optim.Optimizer):
         step, layout, exchange = self._inflight.step, self._inflight.layout, self._inflight.exchange
         if [s.shape for s in self._saved] != [m.param.shape for m in layout]:
             self._saved = [torch.empty_like(m.param) for m in layout]
-        for m, saved in zip(layout, self._saved):
-            saved.copy_(m.param)
+        torch._foreach_copy_(self._saved, [m.param for m in layout])       # one launch per dtype, not per tensor
         self._looked_ahead = layout
         self._estimate(step, layout, exchange)
 
     @torch.no_grad()
     def _take_back_lookahead(self) -> None:
         if self._looked_ahead is not None:
-            for m, saved in zip(self._looked_ahead, self._saved):
-                m.param.copy_(saved)
+            torch._foreach_copy_([m.param for m in self._looked_ahead], self._saved)
             self._looked_ahead = None
 
     @torch.no_grad()
