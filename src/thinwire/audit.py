@@ -167,21 +167,14 @@ class StepAudit(TorchDispatchMode):
             return original(tensor, *args, **kwargs)
         return read
 
-    @property
-    def launches(self) -> int:
-        return sum(self.counts["launch"].values())
+    def total(self, kind: str) -> int:
+        """Calls counted as `kind` (one of KINDS)."""
+        return sum(self.counts[kind].values())
 
-    @property
-    def host_reads(self) -> int:
-        return sum(self.counts["host_read"].values())
-
-    @property
-    def host_values(self) -> int:
-        return sum(self.counts["host_value"].values())
-
-    @property
-    def collectives(self) -> int:
-        return sum(self.counts["collective"].values())
+    launches = property(lambda self: self.total("launch"))
+    host_reads = property(lambda self: self.total("host_read"))
+    host_values = property(lambda self: self.total("host_value"))
+    collectives = property(lambda self: self.total("collective"))
 
     def summary(self, top: int = 12) -> dict:
         """{"launches", "host_reads", "host_values", "collectives", kind: {operator: calls}}

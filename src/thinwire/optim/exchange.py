@@ -214,7 +214,7 @@ class OneBitReduce:
         self.comm, self.tag, self.n_params = comm, tag, 0
         self.reduce = OneBitAllReduce(comm, tag)
         self.prefix = None
-        self._present: list[bool] = []
+        self._prefix, self._present = PrefixWriter(), []
 
     def resize(self, n_params: int, x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor):
         self.n_params = n_params
@@ -229,7 +229,7 @@ class OneBitReduce:
         # finite gradients can still make a non-finite momentum or error (overflow near float max)
         if not all_finite([self.x, self.worker_error]):
             flags |= FLAG_NONFINITE
-        write_prefix(self.prefix, step, flags, present)
+        self._prefix.write(self.prefix, step, flags, present)
         self._present = list(present)
 
     def checkpoint(self) -> list[torch.Tensor]:
@@ -238,6 +238,7 @@ class OneBitReduce:
 
     def resume(self, saved: list[torch.Tensor]) -> None:
         _put_back([self.x, self.prefix], saved)
+        self._prefix = PrefixWriter()                 # the prefix is the checkpoint's now
         self._present = _presence_bits(self.prefix, self.n_params)
         self.start()
 

@@ -111,13 +111,9 @@ def check_wire(wire) -> str:
     return wire
 
 
-def write_delta(out: torch.Tensor, p: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-    """Δ = θ − θ₀ into `out` (float32, contiguous, p's shape), each in float32: exact for bf16 θ."""
-    return out.copy_(p).sub_(anchor)
-
-
 def write_deltas(outs: list[torch.Tensor], params: list[torch.Tensor], anchors: list[torch.Tensor]) -> None:
-    """`write_delta` of every parameter at once: Δ = θ − θ₀, each in float32 (grouped ops)."""
+    """Δ = θ − θ₀ of every parameter into `outs` (float32, contiguous, each its param's shape),
+    each in float32 (exact for bf16 θ), as two grouped ops."""
     torch._foreach_copy_(outs, params)
     torch._foreach_sub_(outs, anchors)
 

@@ -83,7 +83,7 @@ class PrefixWriter:
 
     def write(self, buf: torch.Tensor, step: int, flags: int, present: list[bool]) -> None:
         key = (buf.data_ptr(), buf.numel(), tuple(present))
-        if key != self._written or buf.data_ptr() % 4:
+        if key != self._written or buf.data_ptr() % 4:      # the step's int32 view needs 4-byte alignment
             write_prefix(buf, step, flags, present)
             self._written = key
             return
