@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 
 from ..ops.select import ascending, largest_indices
-from ..optim.flat import Span, spans
+from ..wire.spans import Span, spans
 from ..wire import pack_bits, packed_nbytes, unpack_bits
 from ..wire.indices import pack_stream, unpack_stream
 from ..wire.twobit import LEVELS, quantize_rows
