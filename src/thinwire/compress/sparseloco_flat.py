@@ -256,9 +256,15 @@ class FlatSparseLoCo:
         return out.div_(counts.clamp_(min=1).view(out.shape))
 
     def _alone_mean(self, i: int, rows: Sequence[torch.Tensor], step: int, mode: str) -> torch.Tensor:
-        comp, shape = self.compressor, self.shapes[i]
-        spec = comp.payload_spec(shape)
-        reads = [comp.read(Payload.from_buffer(self.payloads[i].of(row), spec), shape) for row in rows]
-        padded = comp.plan(shape).padded_numel
-        buf = comp.scratch(2 * padded, reads[0][1].device)
-        return comp.aggregate(reads, shape, step, mode, out=buf[:padded], scratch=buf[padded:])
+        return alone_mean(self.compressor, self.shapes[i], self.payloads[i], rows, step, mode)
+
+
+def alone_mean(comp: SparseLoCoTopK, shape, payload: Span, rows: Sequence[torch.Tensor], step: int,
+               mode: str) -> torch.Tensor:
+    """Δ̄ of one tensor on its own (`SparseLoCoTopK.read` of every row, then `aggregate`), in
+    the compressor's scratch: its bytes at `payload` of each row."""
+    spec = comp.payload_spec(shape)
+    reads = [comp.read(Payload.from_buffer(payload.of(row), spec), shape) for row in rows]
+    padded = comp.plan(shape).padded_numel
+    buf = comp.scratch(2 * padded, reads[0][1].device)
+    return comp.aggregate(reads, shape, step, mode, out=buf[:padded], scratch=buf[padded:])

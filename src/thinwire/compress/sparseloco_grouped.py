@@ -114,16 +114,19 @@ class GroupedSparseLoCo:
     """`SparseLoCoTopK` over the tensors of `shapes` (float32 values in one flat buffer, tensor
     i at element `offsets`[i]), their payloads end to end in one uint8 buffer (module docstring)."""
 
-    def __init__(self, comp: SparseLoCoTopK, shapes: Sequence[tuple[int, ...]], device):
+    def __init__(self, comp: SparseLoCoTopK, shapes: Sequence[tuple[int, ...]], device,
+                 eligible: Sequence[bool] | None = None):
+        """eligible: per tensor, whether the caller lets it join at all (default: every one)."""
         self.comp, self.shapes, self.device = comp, [tuple(s) for s in shapes], torch.device(device)
+        self.eligible = [True] * len(self.shapes) if eligible is None else list(eligible)
         self.offsets = [s.start for s in spans(_numel(s) for s in self.shapes)]
         self.payloads = spans(comp.payload_nbytes(s) for s in self.shapes)
         by_shape: dict[tuple[int, int], dict[int, list[int]]] = {}           # (h, w) -> cols -> layout indices
         for i, shape in enumerate(self.shapes):
-            if joins(comp, shape):
+            if self.eligible[i] and joins(comp, shape):
                 plan = comp.plan(shape)
                 by_shape.setdefault((plan.chunk_rows, plan.chunk_cols), {}).setdefault(plan.cols, []).append(i)
-        self.alone = [i for i, s in enumerate(self.shapes) if not joins(comp, s)]
+        self.alone = [i for i, s in enumerate(self.shapes) if not (self.eligible[i] and joins(comp, s))]
         self.families, kept, staged = [], 0, 0
         for stacks in by_shape.values():
             members = [i for js in stacks.values() for i in js]
@@ -168,6 +171,8 @@ class GroupedSparseLoCo:
     def encode(self, x: torch.Tensor, message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """After `select`: the joined tensors' bytes into `message` (the payloads, end to end);
         returns (positions [K] in the layout, the values every receiver decodes [K])."""
+        if not self.tensors:
+            return self.positions, x.new_empty(0)
         values = x.take(self.positions)                                           # [K] the kept values
         q, levels = quantize_segments(values, self.segment, self.lengths, len(self.tensors))
         self.map.raw_out(0, levels.numel() * 4).copy_(levels.view(-1).view(torch.uint8))
@@ -185,6 +190,8 @@ class GroupedSparseLoCo:
         """Every rank's message [W, nbytes] -> (positions [W, K] in the layout, values [W, K],
         0-dim bool flags of malformed bytes: indices past a chunk (clamped), non-finite values)."""
         world = messages.shape[0]
+        if not self.tensors:
+            return self.positions.expand(world, 0), messages.new_empty(world, 0, dtype=torch.float32), []
         got, flags = self.map.read(messages), []
         T = len(self.tensors)
         levels = got[: world * T * LEVEL_BYTES].view(torch.float32).view(world, T * LEVELS)    # [W, 4T]

@@ -101,13 +101,14 @@ import torch
 
 from ..compress import SparseLoCoTopK
 from ..compress.sparseloco_flat import FlatSparseLoCo
-from ..compress.sparseloco_topk import Sent
 from ..compress.topk import AGGREGATIONS
 from .base import Member
 from .diloco import DiLoCo
 from .exchange import GatherAll
 from .flat import spans
+from . import sparseloco_groups
 from .periodic import _reuse, check_sync_every
+from .sparseloco_groups import _subtract_sent
 
 
 def _check(topk, chunk, values, transform, indices, error_decay, outer_lr, aggregate) -> SparseLoCoTopK:
@@ -135,23 +136,6 @@ def _difference(anchor: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> tor
     if anchor.dtype == p.dtype == torch.float32:
         return torch.sub(anchor, p, out=out)
     return out.copy_(anchor).sub_(p)
-
-
-def _subtract_sent(target: torch.Tensor, sent: Sent, scale: float | None = None) -> None:
-    """target ← target − (scale · Δ̂) in target's dtype, Δ̂ as `encode_sent` gives it: values at
-    flat positions (elsewhere target − 0 = target, so only those are touched) or dense."""
-    positions, values = sent.positions, sent.values
-    if scale is not None:
-        values = values * scale
-    values = values.to(target.dtype)
-    if positions is None:
-        target.sub_(values)
-    elif target.is_contiguous():
-        # a + (−v) is a − v exactly; positions are distinct, so no two additions meet
-        target.view(-1).index_add_(0, positions, values.neg())
-    else:
-        target.sub_(torch.zeros(target.shape, dtype=values.dtype, device=values.device)
-                    .view(-1).index_put_((positions,), values).view(target.shape))
 
 
 class SparseLoCo(DiLoCo):
@@ -193,6 +177,7 @@ class SparseLoCo(DiLoCo):
         self.error_decay, self.aggregate, self.eager, self._eager_jumped = float(error_decay), aggregate, eager, False
         self._own_sent = None        # what receivers decode of this rank's row (per parameter), encode to landing
         self._flat, self._mean = None, None          # FlatSparseLoCo of the layout; Δ̄'s scratch
+        self.grouped = True                          # False: the per-tensor path, the reference (`sparseloco_groups`)
         super().__init__(params, inner=inner, sync_every=sync_every, outer_lr=outer_lr, outer_momentum=0.0,
                          wire="fp32", nonfinite=nonfinite, process_group=process_group, overlap=overlap,
                          delay=delay)
@@ -231,6 +216,9 @@ class SparseLoCo(DiLoCo):
         parameter's values, e' and eager jump (each pass over it while it is in cache)."""
         self._local_step(step, layout)
         if exchange is None:
+            return
+        if self.grouped:
+            sparseloco_groups.encode(self, step, layout, exchange.payload)
             return
         flat, places = self._flat_for(layout), spans(m.param.numel() for m in layout)
         n, device = places[-1].stop, layout[0].param.device
@@ -300,6 +288,9 @@ class SparseLoCo(DiLoCo):
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         rows, self._eager_jumped = delivery.data, False             # [R, payload bytes], rank order
         own, self._own_sent = self._own_sent, None
+        if self.grouped:
+            sparseloco_groups.apply(self, step, layout, rows)
+            return
         flat, places = self._flat_for(layout), spans(m.param.numel() for m in layout)
         # every row's kept values, this rank's as its encode left them
         decoded = flat.decode(rows, None if own is None else (self.comm.rank, own))

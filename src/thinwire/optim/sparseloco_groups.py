@@ -1,0 +1,146 @@
+"""SparseLoCo's sync on the grouped layout: the equations of `thinwire.optim.sparseloco` (its
+module docstring) with a number of operations that does not grow with the parameter count.
+
+    Δ = θ₀ − θ;  e = β e + Δ        `_foreach_copy_`, `_foreach_sub_`, `_foreach_add_` into the
+                                    flat e' buffer (tensor by tensor in layout order, as before)
+    Δ̂_r = Q(TopK(e))               `GroupedSparseLoCo`: one top-k per chunk shape, one 2-bit
+                                    quantization of every kept value (levels per tensor), one
+                                    packing per stream, one scatter into the message
+    e' = e − Δ̂_r                   one index_add_ of every kept value into the flat e'
+    θ ← θ₀ − c α Δ̂_r (eager)       in the flat θ_s buffer: `_foreach_copy_`, one index_add_,
+                                    `_foreach_copy_` back into the parameters
+    Δ̄ = (1/R) Σ_r Δ̂_r              one read of every rank's bytes, checked on the device and
+                                    read once; one index_add_ per rank, in rank order, into a
+                                    flat Δ̄; one division
+    e ← e';  θ₀ ← θ₀ − α Δ̄;  θ ← θ₀ (+ θ − θ_s)   `_foreach_*` ops (`PeriodicAveraging._rejoin_all`)
+
+A parameter joins when it is float32 and `sparseloco_grouped.joins` its shape ('identity' top-k,
+'2bit' values, no padded chunks); the others go tensor by tensor as on the per-tensor path
+(`SparseLoCo.grouped = False` sends every parameter there: the reference, bit for bit the
+same on CPU, tests/optim/test_sparseloco_groups.py). On a GPU, a top-k over more rows may break
+ties between equal magnitudes otherwise, and `_foreach_add_` may fuse β e + Δ into one rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..compress.sparseloco_flat import alone_mean
+from ..compress.sparseloco_grouped import GroupedSparseLoCo
+from ..compress.sparseloco_topk import Sent
+from ..compress.topk import raise_malformed
+from ..wire import checks
+from .base import Member
+from .periodic import _reuse, slots_of
+
+
+def _subtract_sent(target: torch.Tensor, sent: Sent, scale: float | None = None) -> None:
+    """target ← target − (scale · Δ̂) in target's dtype, Δ̂ as `encode_sent` gives it: values at
+    flat positions (elsewhere target − 0 = target, so only those are touched) or dense."""
+    positions, values = sent.positions, sent.values
+    if scale is not None:
+        values = values * scale
+    values = values.to(target.dtype)
+    if positions is None:
+        target.sub_(values)
+    elif target.is_contiguous():
+        # a + (−v) is a − v exactly; positions are distinct, so no two additions meet
+        target.view(-1).index_add_(0, positions, values.neg())
+    else:
+        target.sub_(torch.zeros(target.shape, dtype=values.dtype, device=values.device)
+                    .view(-1).index_put_((positions,), values).view(target.shape))
+
+
+def grouped_for(opt, layout: list[Member]) -> GroupedSparseLoCo:
+    """The layout's grouped compressor, rebuilt when its shapes, dtypes or device change."""
+    key = tuple((tuple(m.param.shape), m.param.dtype) for m in layout), layout[0].param.device
+    if getattr(opt, "_grouped_key", None) != key:
+        eligible = [m.param.dtype == torch.float32 for m in layout]
+        opt._grouped = GroupedSparseLoCo(opt.compressor, [m.param.shape for m in layout], key[1], eligible)
+        opt._grouped_key = key
+    return opt._grouped
+
+
+def _views(flat: torch.Tensor, g: GroupedSparseLoCo, layout: list[Member]) -> list[torch.Tensor]:
+    return [flat[at: at + m.param.numel()].view(m.param.shape) for at, m in zip(g.offsets, layout)]
+
+
+def encode(opt, step: int, layout: list[Member], payload: torch.Tensor) -> None:
+    """The sync's message and e' aside (and with delay > 1: θ_s, the eager jump), grouped."""
+    g, device = grouped_for(opt, layout), layout[0].param.device
+    n = g.offsets[-1] + layout[-1].param.numel()
+    opt._unsent, opt._mean = _reuse(opt._unsent, n, device), _reuse(opt._mean, n, device)
+    states, params = [opt.state[m.key] for m in layout], [m.param for m in layout]
+    xs, anchors = _views(opt._unsent, g, layout), [st["anchor"] for st in states]
+    # Δ = θ₀ − θ   (float32, exact for bf16 θ)
+    torch._foreach_copy_(xs, anchors)
+    torch._foreach_sub_(xs, params)
+    # e = β e + Δ
+    torch._foreach_add_(xs, [st["error"] for st in states], alpha=opt.error_decay)
+    g.select(opt._unsent, opt._mean)                        # the Δ̄ scratch as the stage: free until landing
+    positions, sent = g.encode(opt._unsent, payload)
+    alone = {i: opt.compressor.encode_sent(xs[i], g.payloads[i].of(payload), step) for i in g.alone}
+    # e' = e − Δ̂, committed when the sync lands: a + (−v) is a − v, positions distinct
+    opt._unsent.index_add_(0, positions, sent.neg())
+    for i, s in alone.items():
+        _subtract_sent(xs[i], s)
+    if opt.delay > 1:
+        _launch(opt, g, layout, positions, sent, alone)
+    opt._own_sent, opt._eager_jumped = None, opt._eager_now
+
+
+def _launch(opt, g: GroupedSparseLoCo, layout: list[Member], positions, sent, alone: dict) -> None:
+    """θ_s kept until the sync lands; with `eager`, θ before the jump kept, then the jump."""
+    device, n = layout[0].param.device, opt._unsent.numel()
+    opt._launched = _reuse(opt._launched, n, device)
+    params, launched = [m.param for m in layout], _views(opt._launched, g, layout)
+    if not opt._eager_now:
+        torch._foreach_copy_(launched, params)              # θ_s = θ
+        return
+    opt._x = _reuse(opt._x, n, device)
+    torch._foreach_copy_(_views(opt._x, g, layout), params)   # θ before the jump: a sync not made puts it back
+    scale, anchors = opt.eager_scale * opt.outer_lr, [opt.state[m.key]["anchor"] for m in layout]
+    joined = g.tensors
+    # θ_s = θ₀ − c α Δ̂_r for the joined tensors, in the flat θ_s, then θ ← θ_s
+    torch._foreach_copy_([launched[i] for i in joined], [anchors[i] for i in joined])
+    opt._launched.index_add_(0, positions, sent.mul(scale).neg_())
+    torch._foreach_copy_([params[i] for i in joined], [launched[i] for i in joined])
+    for i, s in alone.items():                              # tensor by tensor, in the parameter's dtype
+        params[i].copy_(anchors[i])
+        _subtract_sent(params[i], s, scale)
+        launched[i].copy_(params[i])
+
+
+def apply(opt, step: int, layout: list[Member], rows: torch.Tensor) -> None:
+    """Δ̄ from every rank's row (rank order), then e ← e', θ₀ ← θ₀ − α Δ̄, θ ← θ₀ (+ θ − θ_s)."""
+    g, device = grouped_for(opt, layout), layout[0].param.device
+    positions, values, flags = g.read(rows)
+    raise_malformed(checks.any_of(flags), f" at step {step}")   # the one host read, before anything moves
+    n = opt._unsent.numel()
+    mean = opt._mean = _reuse(opt._mean, n, device)
+    means = _views(mean, g, layout)
+    mean.zero_()
+    for r in range(rows.shape[0]):                          # Σ_r Δ̂_r in rank order: no atomics across ranks
+        mean.index_add_(0, positions[r], values[r])
+    if opt.aggregate == "mean":
+        mean.div_(rows.shape[0])
+    else:                                                   # 'senders': each element over the ranks that sent it
+        counts = opt.compressor.scratch(n, device)[:n].zero_()
+        for r in range(rows.shape[0]):
+            counts.index_add_(0, positions[r], torch.ones_like(values[r]))
+        mean.div_(counts.clamp_(min=1))
+    for i in g.alone:
+        means[i].copy_(alone_mean(opt.compressor, g.shapes[i], g.payloads[i], rows, step, opt.aggregate).view(g.shapes[i]))
+    states = [opt.state[m.key] for m in layout]
+    # e ← e'
+    torch._foreach_copy_([st["error"] for st in states], _views(opt._unsent, g, layout))
+    if opt.outer_lr != 1.0:                                 # × 1 is exact: skipped
+        mean.mul_(opt.outer_lr)
+    # θ₀ ← θ₀ − α Δ̄
+    same = [i for i, st in enumerate(states) if st["anchor"].dtype == torch.float32]
+    torch._foreach_sub_([states[i]["anchor"] for i in same], [means[i] for i in same])
+    for i, st in enumerate(states):
+        if st["anchor"].dtype != torch.float32:             # rounded to its dtype first, as per tensor
+            st["anchor"].sub_(means[i].to(st["anchor"].dtype))
+    # θ ← θ₀   (delay > 1: θ ← θ₀ + (θ − θ_s))
+    opt._rejoin_all(slots_of(layout))

@@ -1,0 +1,86 @@
+"""SparseLoCo's grouped sync (`thinwire.optim.sparseloco_groups`) against its per-tensor path
+(`opt.grouped = False`, the reference): the same parameters, anchors and error feedback bit
+for bit after every step, the same messages byte for byte, over the schedules (blocking,
+overlap, delayed with and without the eager jump), aggregations, index codings, a bf16
+parameter and padded shapes (which stay alone); one process, world 1. Every rank's rows
+in rank order: tests/optim/test_sparseloco.py and the registry suite, at 2 and 3 ranks."""
+
+import pytest
+import torch
+
+import thinwire
+
+# chunk 16: (64, 32), (32, 32), (16, 64) of 16 x 16 chunks (one family, two column counts);
+# (96,), (48,), (16,) of 1 x 16; (40,) of 1 x 10 (k 1); (37, 24) pads its rows: alone
+SHAPES = [(64, 32), (96,), (37, 24), (32, 32), (48,), (16, 64), (40,), (16,), (64, 32)]
+SETTINGS = [dict(), dict(overlap=True), dict(overlap=True, delay=3), dict(overlap=True, delay=3, eager=False),
+            dict(overlap=True, delay=2, eager_scale=1.5), dict(aggregate="senders"), dict(outer_lr=0.8),
+            dict(indices="elias-fano", overlap=True, delay=3), dict(values="int8"), dict(transform="dct")]
+
+
+def _run(grouped: bool, steps: int = 10, dtypes=None, flush: bool = True, **kw):
+    gen = torch.Generator().manual_seed(0)
+    dtypes = dtypes or [torch.float32] * len(SHAPES)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(d)) for s, d in zip(SHAPES, dtypes)]
+    opt = thinwire.SparseLoCo(params, inner=lambda q: torch.optim.AdamW(q, lr=1e-2), sync_every=3, topk=32, chunk=16,
+                              error_decay=0.9, **kw)
+    opt.grouped = grouped
+    grads = torch.Generator().manual_seed(1)
+    history = []
+    for t in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=grads).to(p.dtype)
+        opt.step()
+        state = [(p.detach().clone(), opt.state[p]["anchor"].clone(), opt.state[p]["error"].clone()) for p in params]
+        message = opt._message.buffer.clone() if opt._message.buffer is not None else None
+        history.append((state, message))
+    if kw.get("overlap") and flush:
+        opt.flush()
+    return params, opt, history
+
+
+def _same(ours, ref) -> None:
+    (a, b), (c, d) = ours, ref
+    for t, (step, want) in enumerate(zip(a, c)):
+        for i, (x, y) in enumerate(zip(step[0], want[0])):
+            for name, u, v in zip(("param", "anchor", "error"), x, y):
+                assert torch.equal(u, v), (t, i, name)
+        assert (step[1] is None) == (want[1] is None) and (step[1] is None or torch.equal(step[1], want[1])), t
+    for p, q in zip(b, d):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("kw", SETTINGS, ids=str)
+def test_the_grouped_sync_follows_the_per_tensor_path_bit_for_bit(kw):
+    ours, opt, history = _run(True, **kw)
+    ref, _, ref_history = _run(False, **kw)
+    _same((history, ours), (ref_history, ref))
+    joined = opt._grouped.tensors
+    if kw.get("values") or kw.get("transform"):
+        assert joined == []
+    else:
+        assert sorted(joined) == [0, 1, 3, 4, 5, 6, 7, 8]
+
+
+def test_a_bf16_parameter_goes_alone_and_changes_nothing():
+    dtypes = [torch.float32] * len(SHAPES)
+    dtypes[3] = torch.bfloat16
+    ours, opt, history = _run(True, dtypes=dtypes, overlap=True, delay=3)
+    ref, _, ref_history = _run(False, dtypes=dtypes, overlap=True, delay=3)
+    _same((history, ours), (ref_history, ref))
+    assert 3 in opt._grouped.alone
+
+
+def test_a_grouped_sync_in_flight_lands_alike_on_the_per_tensor_path():
+    """The pending state (e', θ_s, θ before the jump) has one layout on both paths."""
+    ours, opt, _ = _run(True, steps=7, flush=False, overlap=True, delay=3)
+    ref, ref_opt, _ = _run(False, steps=7, flush=False, overlap=True, delay=3)
+    opt.grouped = False                                  # the landing of a grouped sync, per tensor
+    grads = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        for p, q in zip(ours, ref):
+            p.grad = q.grad = torch.randn(p.shape, generator=grads)
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(ours, ref):
+        assert torch.equal(p, q)
