@@ -82,9 +82,6 @@ class LocatingAudit(StepAudit):
         return out
 
 
-OWN = ("optim/demo", "compress/", "wire/")                  # DeMo's path; the envelope's files are not
-
-
 def _audited_step(rank, world, overlap):
     params = _params()
     opt = thinwire.DeMo(params, lr=0.01, topk=8, chunk=64, overlap=overlap,
@@ -99,16 +96,18 @@ def _audited_step(rank, world, overlap):
         audit = LocatingAudit()
         with audit:
             opt.step()
-    return [w for w in audit.where if w.startswith(OWN)], opt.arrival_status
+    return audit.host_reads, audit.where, opt.arrival_status
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_demo_reads_the_device_once_per_step(overlap):
-    """DeMo's own code (its optimizer, compressor and wire formats) reads the device once per
-    step: the arrival status, after every payload is decoded."""
-    own, status = run_workers(_audited_step, world_size=2, args=(overlap,))[0]
+    """A whole DeMo step (nonfinite='raise') reads the device once: the envelope's verdict,
+    which reads the peers' prefixes and the arrival status of every decoded payload together;
+    neither the gradients' finiteness nor DeMo's own code (optimizer, compressor, wire
+    formats) reads anything."""
+    reads, where, status = run_workers(_audited_step, world_size=2, args=(overlap,))[0]
     assert status is not None and status.dim() == 0 and not bool(status)
-    assert own == ["compress/topk.py:raise_malformed"]
+    assert reads == 1 and where == []         # the one read is `read_verdict`'s tolist (not a dispatched op)
 
 
 def test_read_flagged_flags_what_read_raises_for():

@@ -33,8 +33,9 @@ BUILDS = {
     "demo-lookahead": lambda ps: thinwire.DeMo(ps, lr=1e-3, topk=8, chunk=16, overlap=True, lookahead="momentum"),
 }
 GROUPED = ["dense-adamw", "diloco", "demo", "demo-lookahead"]
-# host reads per step: this rank's finiteness and the status that arrived; DeMo's arrived payloads' validity
-READS = {"dense-adamw": 2, "diloco": 2, "demo": 3, "demo-lookahead": 3}
+# host reads per step with nonfinite='raise': the status every rank's message carried (DeMo's arrived
+# payloads' validity read with it); DiLoCo's local update first reads this rank's finiteness
+READS = {"dense-adamw": 1, "diloco": 2, "demo": 1, "demo-lookahead": 1}
 
 
 def _audited_cycle(rank: int, world: int, name: str, blocks: int) -> list[tuple[int, int]]:
@@ -70,9 +71,10 @@ def test_launches_do_not_grow_with_the_number_of_tensors(audited, name):
 
 @pytest.mark.parametrize("name", GROUPED)
 def test_a_step_reads_the_host_a_fixed_few_times(audited, name):
-    """Once for this rank's gradients' finiteness (its message depends on it), once for the
-    status every rank's message carried, DeMo once more for the validity of what arrived;
-    a local step only the first."""
+    """Once, after the exchange, for the status every rank's message carried (and DeMo's
+    validity of what arrived, in the same read): this rank's gradients' finiteness travels as
+    a device flag. DiLoCo's inner torch optimizer must skip a bad local update, so its steps
+    read this rank's finiteness first: a local step once, a sync twice."""
     reads = [r for _, r in audited[(name, 8)]]
     assert max(reads) == READS[name]
     if name == "diloco":
@@ -80,9 +82,9 @@ def test_a_step_reads_the_host_a_fixed_few_times(audited, name):
 
 
 @pytest.mark.parametrize("name", ["dense-adamw", "diloco"])
-def test_every_step_within_four_times_torch_adamw_foreach_launches(audited, name):
+def test_every_step_within_three_times_torch_adamw_foreach_launches(audited, name):
     adamw = max(n for n, _ in audited[("torch-adamw-foreach", 8)])
-    assert max(n for n, _ in audited[(name, 8)]) <= 4 * adamw
+    assert max(n for n, _ in audited[(name, 8)]) <= 3 * adamw
 
 
 def test_the_prefix_writer_writes_what_write_prefix_writes_step_after_step():

@@ -52,8 +52,10 @@ from typing import NamedTuple
 import torch
 
 from ..comm import CommStats, Communicator
+from ..compress.topk import MALFORMED
 from .checkpoints import EnvelopeCheckpoints, InFlight
-from .protocol import FLAG_NONFINITE, NonFiniteGradientError, all_finite, check_nonfinite_policy, handshake
+from .protocol import (FLAG_NONFINITE, NonFiniteGradientError, all_finite, check_nonfinite_policy, handshake,
+                       nonfinite_flag)
 from .shards import check_sharding, local_view
 
 class Member(NamedTuple):
@@ -112,6 +114,7 @@ class CommunicatingOptimizer(EnvelopeCheckpoints, torch.optim.Optimizer):
         self._carried = 0                        # a local step's non-finite flag, for the next message
         self._inflight: InFlight | None = None
         self._pending: dict | None = None        # a loaded step in flight, re-sent by the next step()/flush()
+        self.gradients_nonfinite: torch.Tensor | None = None   # this step's flag on the device (`_masks_nonfinite`)
 
     # ---- what the algorithm supplies ------------------------------------------------------
     EARLY_START = False
@@ -150,6 +153,21 @@ class CommunicatingOptimizer(EnvelopeCheckpoints, torch.optim.Optimizer):
 
     def _local_views(self, p: torch.Tensor) -> list[torch.Tensor]:
         """State of p kept outside self.state[p] that its step may change (default: none)."""
+        return []
+
+    def _masks_nonfinite(self, layout: list[Member]) -> bool:
+        """True when `_encode` may run on non-finite gradients: it reads
+        `self.gradients_nonfinite` (a 0-dim bool on the device) and leaves what it keeps finite
+        (e.g. takes them as zeros, as for a parameter without a gradient), so the envelope
+        need not read the gradients' finiteness on the host before the message; the flag
+        travels in the message and every rank reads it once, after the exchange.
+        Default False: the envelope reads it first and skips the encode of a bad rank."""
+        return False
+
+    def _arrival(self, step: int, layout: list[Member], delivery) -> list[torch.Tensor]:
+        """Device flags (0-dim bool, True: malformed) of what arrived, checked before the
+        step's one host read, which reads them with the prefixes (default: none). A flag
+        that is set makes every rank raise ValueError, after the non-finite check."""
         return []
 
     def _presence(self, layout: list[Member]) -> list[bool]:
@@ -254,22 +272,24 @@ class CommunicatingOptimizer(EnvelopeCheckpoints, torch.optim.Optimizer):
         layout = self.layout()
         self._agree(self._describe(layout), f"step={done}")
         step, present = done + 1, self._presence(layout)
-        finite = all_finite(m.param.grad for m in layout if m.param.grad is not None)
+        grads = [m.param.grad for m in layout if m.param.grad is not None]
         exchange = self._exchange(step, layout)
         self._prepare(step, layout)
         if exchange is None:                                   # a local step: nobody to tell now
-            if finite:
+            if all_finite(grads):
                 self._encode(step, layout, None)
             elif self.nonfinite == "raise":
                 self._carried = FLAG_NONFINITE
             self._step = step
             return None
         snapshot = {m.key: [t.clone() for t in self._views(m)] for m, here in zip(layout, present) if not here}
+        self.gradients_nonfinite = nonfinite_flag(grads) if grads and self._masks_nonfinite(layout) else None
+        finite = self.gradients_nonfinite is not None or all_finite(grads)
         if finite:
             self._encode(step, layout, exchange)
         else:
             exchange.payload.zero_()
-        exchange.seal(step, (0 if finite else FLAG_NONFINITE) | self._carried, present)
+        exchange.seal(step, (0 if finite else FLAG_NONFINITE) | self._carried, present, self.gradients_nonfinite)
         self._carried = 0
         exchange.start()
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -310,6 +330,7 @@ class CommunicatingOptimizer(EnvelopeCheckpoints, torch.optim.Optimizer):
         self._step = max(self._step, step)      # a delayed exchange lands after local steps
         delivery = record.exchange.finish(step)
         try:
+            malformed = delivery.check(self._arrival(step, layout, delivery))     # the step's one host read
             if delivery.flagged:
                 self._discard(step, layout, record.exchange)
                 if self.nonfinite == "raise":
@@ -317,6 +338,8 @@ class CommunicatingOptimizer(EnvelopeCheckpoints, torch.optim.Optimizer):
                         f"non-finite gradients on {delivery.flagged} at step {step}; no parameter was updated "
                         f"on any rank ({type(self).__name__}(nonfinite='skip') skips such steps instead)")
                 return
+            if any(malformed):
+                raise ValueError(f"{MALFORMED} at step {step}")
             with _hyperparameters(self.param_groups, record.hyper):     # a step lands with the lr it started with
                 self._apply(step, layout, delivery)
         finally:

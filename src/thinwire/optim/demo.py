@@ -139,6 +139,7 @@ class DeMo(CommunicatingOptimizer):
         self._groups: tuple | None = None                      # (what decided them, `Groups`)
         self.grouped = True                                    # False: every parameter on the per-tensor path
         self.arrival_status: torch.Tensor | None = None       # the last landing's malformed-payload flag (device)
+        self._arrived: tuple | None = None                      # (rows, `_decode`'s answer) between check and apply
 
     def add_param_group(self, param_group: dict) -> None:
         check_group({**self.defaults, **param_group})
@@ -213,7 +214,8 @@ class DeMo(CommunicatingOptimizer):
         scratch, groups = self._scratch(slots), self._grouping(slots)
         ahead = self.lookahead_form == "momentum"            # lookahead needs overlap (checked at init)
         for g in groups.groups:
-            demo_groups.encode(g, slots, step, exchange.payload, scratch, gradient_weight(g.hyper), ahead)
+            demo_groups.encode(g, slots, step, exchange.payload, scratch, gradient_weight(g.hyper), ahead,
+                               self.gradients_nonfinite)
         for i in groups.rest:
             self._encode_slot(step, slots[i], exchange.payload, scratch)
         self._ahead_step = step
@@ -282,7 +284,8 @@ class DeMo(CommunicatingOptimizer):
                                                          subtraction (Psyche's sign(δ))"""
         slots, present = self._slots(layout), self._presence(layout)
         if self.lookahead_form == "message":
-            self._update(step, slots, exchange.payload.unsqueeze(0), present)
+            own = exchange.payload.unsqueeze(0)                 # [1, payload bytes]: this rank's own, unchecked
+            self._update(step, slots, own, present, self._decode(slots, own, present))
             return
         if self._ahead_step != step:                        # not encoded (non-finite gradients): stay at θ
             return
@@ -301,15 +304,30 @@ class DeMo(CommunicatingOptimizer):
                 ahead = plan.crop(comp.transform.inverse_image(ahead, plan, step, scratch=scratch))
             step_param(p, ahead, group, key)
 
+    def _masks_nonfinite(self, layout: list[Member]) -> bool:
+        """Grouped parameters take a rank's non-finite gradients as zeros on the device
+        (`demo_groups.gradients_into`); the per-tensor path has the envelope read them first."""
+        return not self._grouping(self._slots(layout)).rest
+
+    def _arrival(self, step: int, layout: list[Member], delivery) -> list[torch.Tensor]:
+        """Every payload decoded and checked on the device before the step's one host read;
+        `_apply` then lands what was decoded here."""
+        slots = self._slots(layout)
+        self._arrived = (delivery.data, self._decode(slots, delivery.data, [True] * len(layout)))
+        return self._arrived[1][2]
+
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         """Every parameter updated, present on some rank or not: the envelope puts back those
         that had a gradient on no rank (`_restore`), so presence is never read here."""
-        self._update(step, self._slots(layout), delivery.data, [True] * len(layout))
+        gathered, decoded = self._arrived or (None, None)
+        self._arrived = None
+        if gathered is not delivery.data:                   # not decoded by `_arrival` (a direct call)
+            decoded = None
+        self._update(step, self._slots(layout), delivery.data, [True] * len(layout), decoded)
 
-    def _update(self, step: int, slots: list[Slot], gathered: torch.Tensor, present: list) -> None:
-        """Δ = T⁻¹(aggregate of the payload rows of `gathered` [ranks, payload bytes]); θ ← θ(1 − ηλ) − η φ(Δ).
-        Every payload is decoded and checked first (on the device, `arrival_status`), read once:
-        a malformed one raises ValueError on every rank before any parameter moves."""
+    def _decode(self, slots: list[Slot], gathered: torch.Tensor, present: list) -> tuple:
+        """The payload rows of `gathered` [ranks, payload bytes] decoded: (per group (positions,
+        values), per per-tensor parameter its ranks' reads, the device flags of malformed payloads)."""
         groups, world = self._grouping(slots), gathered.shape[0]
         flat = gathered.reshape(-1) if groups.groups else None          # [W · nbytes]: a copy if strided
         decoded = [g.chunks.received(flat, world) for g in groups.groups]
@@ -322,10 +340,22 @@ class DeMo(CommunicatingOptimizer):
                        for r in range(world)]                               # rank order
                 reads[i] = [read for read, _ in got]
                 flags += [f for _, fs in got for f in fs]
+        return [(positions, values) for positions, values, _ in decoded], reads, flags
+
+    def _update(self, step: int, slots: list[Slot], gathered: torch.Tensor, present: list,
+                decoded: tuple | None = None) -> None:
+        """Δ = T⁻¹(aggregate of the payload rows of `gathered` [ranks, payload bytes]); θ ← θ(1 − ηλ) − η φ(Δ).
+        `decoded`: `_decode`'s answer, checked by the envelope's one host read (`_arrival`);
+        without it the rows are decoded and checked here (one host read: `arrival_status`), and
+        a malformed one raises ValueError before any parameter moves."""
+        if decoded is None:
+            decoded = self._decode(slots, gathered, present)
+            raise_malformed(checks.any_of(decoded[2]), f" at step {step}")
+        groups = self._grouping(slots)
+        received, reads, flags = decoded
         self.arrival_status = checks.any_of(flags)
-        raise_malformed(self.arrival_status, f" at step {step}")
         a, b = self._scratch(slots)
-        for g, (positions, values, _) in zip(groups.groups, decoded):
+        for g, (positions, values) in zip(groups.groups, received):
             delta = demo_groups.aggregate(g, positions, values, out=a, counts=b)
             g.chunks.comp.transform.inverse_image(delta, g.chunks.plan, step, scratch=b)
             demo_groups.step_params(g, slots, delta, present)

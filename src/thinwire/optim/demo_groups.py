@@ -84,9 +84,11 @@ class Groups:
                     state[slots[i].key]["momentum"] = view
 
 
-def gradients_into(g: Group, slots, x: torch.Tensor) -> None:
+def gradients_into(g: Group, slots, x: torch.Tensor, nonfinite: torch.Tensor | None = None) -> None:
     """The members' gradients into x (flat, ΣR_i·C), image by image: zeros for a missing
-    gradient and below a member's rows (its row padding, which the transform must see as 0)."""
+    gradient and below a member's rows (its row padding, which the transform must see as 0).
+    `nonfinite` (0-dim bool on the device, the envelope's flag of this rank's gradients): when
+    set, every gradient is taken as zero, as a missing one is, with no host read."""
     cols, pieces = g.chunks.plan.padded_cols, []
     for i, rows in zip(g.members, g.chunks.rows):
         p = slots[i].param
@@ -97,14 +99,18 @@ def gradients_into(g: Group, slots, x: torch.Tensor) -> None:
         if rows * cols > p.numel():
             pieces.append(g.zeros[: rows * cols - p.numel()])
     torch.cat(pieces, out=x[: g.momentum.numel()])
+    if nonfinite is not None:
+        x[: g.momentum.numel()].masked_fill_(nonfinite, 0.0)
 
 
-def encode(g: Group, slots, step: int, payload: torch.Tensor, scratch, weight: float, ahead: bool) -> None:
-    """T(M) ← βT(M) + wT(g); the top-k of every chunk into the message; T(M) ← T(M) − αQ̂_i."""
+def encode(g: Group, slots, step: int, payload: torch.Tensor, scratch, weight: float, ahead: bool,
+           nonfinite: torch.Tensor | None = None) -> None:
+    """T(M) ← βT(M) + wT(g); the top-k of every chunk into the message; T(M) ← T(M) − αQ̂_i.
+    g is taken as zero when `nonfinite` is set (`gradients_into`)."""
     a, b = scratch
     comp, plan, beta = g.chunks.comp, g.chunks.plan, g.hyper["beta"]
     x = plan.matrix_in(a)
-    gradients_into(g, slots, a)
+    gradients_into(g, slots, a, nonfinite)
     # T(M) ← βT(M) + wT(g): one GEMM over the stacked images, one batched GEMM over their row blocks
     comp.transform.forward_image(x, plan, step, out=g.momentum, scratch=b, beta=beta, alpha=weight)
     positions, sent = g.chunks.send(g.momentum, payload, g.packed, scratch=a)

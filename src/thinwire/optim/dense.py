@@ -88,6 +88,11 @@ class DenseAllReduce(CommunicatingOptimizer):
         self._message.resize(len(layout), numel, self.grad_dtype, layout[0].param.device)
         return self._message
 
+    def _masks_nonfinite(self, layout: list[Member]) -> bool:
+        """The encode keeps no state: a rank's non-finite gradients go into its message and
+        the flag with them, read by every rank after the all-reduce."""
+        return True
+
     def _encode(self, step: int, layout: list[Member], exchange: ReduceAll) -> None:
         flatten_grads([m.param for m in layout], exchange.payload)
 

@@ -21,14 +21,16 @@ delivers what the interrupted one would have.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
 from ..comm import Communicator, Pending
 from ..comm.collectives import OneBitAllReduce
 from .protocol import (FLAG_NONFINITE, PeerMismatchError, PrefixWriter, Presence, TrailerWriter, all_finite,
-                       prefix_nbytes, read_headers, read_presence, read_trailer, trailer_numel, write_prefix)
+                       prefix_nbytes, read_headers, read_presence, read_trailer_verdict, read_verdict, trailer_numel,
+                       LOCKSTEP_SLOTS,
+                       write_prefix)
 
 FLAG_SERVER_ERROR = 2          # a relayed answer's flag: the server rejected this step's messages
 
@@ -40,14 +42,37 @@ PART_BYTES = 32 * 1024
 MAX_PARTS = 4
 
 
-class Delivery(NamedTuple):
-    """What an exchange delivered: `flagged` names the ranks whose gradients were not finite
-    (empty on a good step); `present.tolist()[i]`: layout parameter i had a gradient on some
-    rank (`protocol.Presence`: read from the device only when this rank lacked one);
-    `data`: the exchange's result, read by the algorithm's apply."""
-    flagged: list
-    present: Presence
-    data: object
+class Delivery:
+    """What an exchange delivered. `present.tolist()[i]`: layout parameter i had a gradient on
+    some rank (`protocol.Presence`: read from the device only when this rank lacked one);
+    `data`: the exchange's result, read by the algorithm's apply.
+
+    What the prefixes (or the trailer) say stays on the device until `check(extra)` reads it,
+    once per step, together with the algorithm's own device flags `extra` (the arrival checks
+    of what it decoded, `thinwire.wire.checks`): that raises PeerMismatchError for ranks out of
+    lockstep or a malformed header, sets `flagged` (the ranks whose gradients were not finite,
+    empty on a good step) and returns the values of `extra`. `flagged` read before `check`
+    makes it with no extra flags."""
+
+    def __init__(self, verdict: Callable[[list], tuple[list, list[bool]]], present: Presence, data):
+        self._verdict, self.present, self.data = verdict, present, data
+        self._flagged: list | None = None
+
+    def check(self, extra: list[torch.Tensor] = ()) -> list[bool]:
+        self._flagged, values = self._verdict(list(extra))
+        return values
+
+    @property
+    def flagged(self) -> list:
+        if self._flagged is None:
+            self.check()
+        return self._flagged
+
+
+def _read_now(flagged: list):
+    """A verdict already made on the host (an exchange that had to read before delivering):
+    only the extra flags are left to read."""
+    return lambda extra: (flagged, [bool(v) for v in torch.stack(extra).tolist()] if extra else [])
 
 
 @runtime_checkable
@@ -59,7 +84,9 @@ class Exchange(Protocol):
     @property
     def payload(self) -> torch.Tensor: ...
 
-    def seal(self, step: int, flags: int, present: list[bool]) -> None: ...
+    def seal(self, step: int, flags: int, present: list[bool], nonfinite: torch.Tensor | None = None) -> None:
+        """The prefix of this step; `nonfinite` (a 0-dim bool on the device) sets the flag
+        without a host read (`PrefixWriter`)."""
 
     def start(self) -> None: ...
 
@@ -119,8 +146,8 @@ class GatherAll:
     def payload(self) -> torch.Tensor:
         return self.buffer[prefix_nbytes(self.n_params):]
 
-    def seal(self, step: int, flags: int, present: list[bool]) -> None:
-        self._prefix.write(self.buffer, step, flags, present)
+    def seal(self, step: int, flags: int, present: list[bool], nonfinite: torch.Tensor | None = None) -> None:
+        self._prefix.write(self.buffer, step, flags, present, nonfinite)
         self._present = list(present)
 
     def checkpoint(self) -> list[torch.Tensor]:
@@ -152,9 +179,8 @@ class GatherAll:
         parts, self._pending = [pending.wait() for pending in self._pending], []
         gathered = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1, out=self._gathered)  # [world, nbytes]
         start = prefix_nbytes(self.n_params)
-        flagged = read_headers(gathered[:, :start], step)
         presence = Presence(self._present, lambda: read_presence(gathered[:, :start], self.n_params))
-        return Delivery(flagged, presence, gathered[:, start:])
+        return Delivery(lambda extra: read_verdict(gathered[:, :start], step, extra), presence, gathered[:, start:])
 
 
 class ReduceAll:
@@ -175,8 +201,8 @@ class ReduceAll:
     def payload(self) -> torch.Tensor:
         return self.buffer[:self.numel]
 
-    def seal(self, step: int, flags: int, present: list[bool]) -> None:
-        self._trailer.write(self.buffer[self.numel:], step, bool(flags & FLAG_NONFINITE), present)
+    def seal(self, step: int, flags: int, present: list[bool], nonfinite: torch.Tensor | None = None) -> None:
+        self._trailer.write(self.buffer[self.numel:], step, bool(flags & FLAG_NONFINITE), present, nonfinite)
         self._present = list(present)
 
     def checkpoint(self) -> list[torch.Tensor]:
@@ -197,13 +223,12 @@ class ReduceAll:
         total, self._pending = self._pending.wait(), None
         world = self.comm.world_size
         mean = total[:self.numel].div_(world)
-        bad, union, finite = read_trailer(total[self.numel:], step, world, payload=mean)
-        present = Presence(self._present, lambda: union)
-        if bad:
-            return Delivery([f"{bad} rank(s)"], present, mean)
-        if not finite:
-            return Delivery(["the sum (overflow)"], present, mean)
-        return Delivery([], present, mean)
+        trailer = total[self.numel:]
+
+        def verdict(extra: list) -> tuple[list, list[bool]]:
+            (bad, _, finite), values = read_trailer_verdict(trailer, step, world, payload=mean, extra=extra)
+            return ([f"{bad} rank(s)"] if bad else [] if finite else ["the sum (overflow)"]), values
+        return Delivery(verdict, Presence(self._present, lambda: trailer[1 + LOCKSTEP_SLOTS:] > 0), mean)
 
 
 class OneBitReduce:
@@ -225,11 +250,11 @@ class OneBitReduce:
     def payload(self) -> torch.Tensor:
         return self.x
 
-    def seal(self, step: int, flags: int, present: list[bool]) -> None:
+    def seal(self, step: int, flags: int, present: list[bool], nonfinite: torch.Tensor | None = None) -> None:
         # finite gradients can still make a non-finite momentum or error (overflow near float max)
         if not all_finite([self.x, self.worker_error]):
             flags |= FLAG_NONFINITE
-        self._prefix.write(self.prefix, step, flags, present)
+        self._prefix.write(self.prefix, step, flags, present, nonfinite)
         self._present = list(present)
 
     def checkpoint(self) -> list[torch.Tensor]:
@@ -251,8 +276,8 @@ class OneBitReduce:
         present = Presence(self._present, lambda: read_presence(prefixes, self.n_params))
         if flagged:
             self.reduce.abandon()
-            return Delivery(flagged, present, None)
-        return Delivery([], present, self.reduce.finish(self.worker_error, self.server_error, out=self.x))
+            return Delivery(_read_now(flagged), present, None)
+        return Delivery(_read_now([]), present, self.reduce.finish(self.worker_error, self.server_error, out=self.x))
 
 
 class ServerRelay:
@@ -277,8 +302,8 @@ class ServerRelay:
     def payload(self) -> torch.Tensor:
         return self.up[prefix_nbytes(self.n_params):]
 
-    def seal(self, step: int, flags: int, present: list[bool]) -> None:
-        self._prefix.write(self.up, step, flags, present)
+    def seal(self, step: int, flags: int, present: list[bool], nonfinite: torch.Tensor | None = None) -> None:
+        self._prefix.write(self.up, step, flags, present, nonfinite)
         self._present = list(present)
 
     def checkpoint(self) -> list[torch.Tensor]:
@@ -306,7 +331,7 @@ class ServerRelay:
         prefix = self.down[None, :start]
         flagged = ["reported by rank 0"] if read_headers(prefix, step) else []
         present = Presence(self._present, lambda: read_presence(prefix, self.n_params))
-        return Delivery(flagged, present, self.down[start:])
+        return Delivery(_read_now(flagged), present, self.down[start:])
 
     def _serve(self, gathered: torch.Tensor, step: int):
         """Rank 0: verdict, presence union and server step into self.down; an error to re-raise."""

@@ -81,20 +81,42 @@ class PrefixWriter:
     def __init__(self):
         self._written: tuple | None = None        # (buffer's data_ptr, numel, presence) last written whole
 
-    def write(self, buf: torch.Tensor, step: int, flags: int, present: list[bool]) -> None:
+    def write(self, buf: torch.Tensor, step: int, flags: int, present: list[bool],
+              nonfinite: torch.Tensor | None = None) -> None:
+        """`nonfinite`: this rank's finiteness flag as a 0-dim bool on the device (`nonfinite_flag`),
+        copied into the flags byte unless `flags` already sets it: the host never reads it."""
         key = (buf.data_ptr(), buf.numel(), tuple(present))
         if key != self._written or buf.data_ptr() % 4:      # the step's int32 view needs 4-byte alignment
             write_prefix(buf, step, flags, present)
             self._written = key
-            return
-        buf[2].fill_(flags)
-        buf[4:HEADER_NBYTES].view(torch.int32).fill_(_as_int32(step))
+        else:
+            buf[2].fill_(flags)
+            buf[4:HEADER_NBYTES].view(torch.int32).fill_(_as_int32(step))
+        if nonfinite is not None and not flags & FLAG_NONFINITE:
+            buf[2].copy_(nonfinite)                          # False -> 0, True -> FLAG_NONFINITE
 
 
 def read_headers(headers: torch.Tensor, step: int) -> list[int]:
     """Validate all ranks' headers ([world, >= 8] uint8) in one host read; return the ranks
     with non-finite flags."""
-    rows = headers[:, :HEADER_NBYTES].tolist()
+    return read_verdict(headers, step)[0]
+
+
+def read_verdict(headers: torch.Tensor, step: int, extra: list[torch.Tensor] = ()) -> tuple[list[int], list[bool]]:
+    """`read_headers`, and the values of `extra` (0-dim bool device flags, e.g. the arrival
+    checks of what was decoded) read in the same host read: (flagged ranks, extra values)."""
+    extra = list(extra)
+    head = headers[:, :HEADER_NBYTES]                                    # [world, 8] uint8
+    if extra:
+        both = torch.cat([head.reshape(-1), torch.stack(extra).to(torch.uint8)]).tolist()
+        flat, values = both[:head.numel()], [bool(v) for v in both[head.numel():]]
+        rows = [flat[r * HEADER_NBYTES: (r + 1) * HEADER_NBYTES] for r in range(head.shape[0])]
+    else:
+        rows, values = head.tolist(), []
+    return _validate(rows, step), values
+
+
+def _validate(rows: list[list[int]], step: int) -> list[int]:
     bad = [r for r, h in enumerate(rows) if h[0] != MAGIC or h[1] != VERSION]
     if bad:
         raise PeerMismatchError(f"malformed message header from rank(s) {bad} (wrong magic or version)")
@@ -153,16 +175,21 @@ class TrailerWriter:
     def __init__(self):
         self._written: tuple | None = None
 
-    def write(self, trailer: torch.Tensor, step: int, nonfinite: bool, present: list[bool]) -> None:
+    def write(self, trailer: torch.Tensor, step: int, nonfinite: bool, present: list[bool],
+              flag: torch.Tensor | None = None) -> None:
+        """`flag`: this rank's finiteness flag on the device (0-dim bool), copied into the
+        trailer unless `nonfinite` is already True: the host never reads it."""
         key = (trailer.data_ptr(), trailer.numel(), tuple(present))
         if key != self._written:
             write_trailer(trailer, step, nonfinite, present)
             self._written = key
-            return
-        trailer[0].fill_(float(nonfinite))
-        slots = trailer[1: 1 + LOCKSTEP_SLOTS]
-        slots.zero_()
-        slots[step % LOCKSTEP_SLOTS].fill_(1.0)
+            self._one_hot = torch.eye(LOCKSTEP_SLOTS, dtype=trailer.dtype, device=trailer.device)  # [slot, slot]
+        else:
+            if flag is None or nonfinite:
+                trailer[0].fill_(float(nonfinite))
+            trailer[1: 1 + LOCKSTEP_SLOTS].copy_(self._one_hot[step % LOCKSTEP_SLOTS])   # one launch, no host data
+        if flag is not None and not nonfinite:
+            trailer[0].copy_(flag)
 
 
 def read_trailer(trailer: torch.Tensor, step: int, world: int, payload: torch.Tensor | None = None
@@ -170,14 +197,22 @@ def read_trailer(trailer: torch.Tensor, step: int, world: int, payload: torch.Te
     """The summed trailer -> (number of ranks that flagged non-finite gradients, presence
     bool [n_params] (on the device), whether `payload` (the summed payload, if given) is all
     finite), in one host read; PeerMismatchError when the ranks were not all at `step` (mod 16)."""
+    return read_trailer_verdict(trailer, step, world, payload)[0]
+
+
+def read_trailer_verdict(trailer: torch.Tensor, step: int, world: int, payload: torch.Tensor | None = None,
+                         extra: list[torch.Tensor] = ()) -> tuple[tuple[int, torch.Tensor, bool], list[bool]]:
+    """`read_trailer`, and the values of `extra` (0-dim bool device flags) in the same host read."""
     slots = trailer[1: 1 + LOCKSTEP_SLOTS]          # counts of 0/1 values: exact in bf16 up to 256 ranks
     largest = trailer.new_zeros(()) if payload is None else torch.linalg.vector_norm(payload, float("inf"))
-    flags, here, total, largest = torch.stack([trailer[0], slots[step % LOCKSTEP_SLOTS], slots.sum(),
-                                               largest.to(trailer.dtype)]).tolist()
-    if here != world or total != world:
+    # every rank adds one 1 to the slot of its step: a rank at another step leaves this one short
+    read = torch.stack([trailer[0], slots[step % LOCKSTEP_SLOTS], largest.to(trailer.dtype),
+                        *(flag.to(trailer.dtype) for flag in extra)]).tolist()
+    (flags, here, largest), values = read[:3], [bool(v) for v in read[3:]]
+    if here != world:
         raise PeerMismatchError(f"ranks are out of lockstep at step {step}: step mod {LOCKSTEP_SLOTS} "
                                 f"counts per slot are {slots.tolist()}; were they resumed from different checkpoints?")
-    return int(flags), trailer[1 + LOCKSTEP_SLOTS:] > 0, math.isfinite(largest)
+    return (int(flags), trailer[1 + LOCKSTEP_SLOTS:] > 0, math.isfinite(largest)), values
 
 
 def fingerprint(description: str) -> torch.Tensor:
@@ -206,22 +241,26 @@ def check_nonfinite_policy(nonfinite: str) -> str:
 
 
 def all_finite(tensors) -> bool:
-    """True when every tensor is finite: one host read for the whole list and a number of
-    launches that does not grow with it (`_foreach_norm` groups the tensors by device and dtype).
+    """True when every tensor is finite: one host read of their largest magnitude."""
+    tensors = list(tensors)
+    return not tensors or math.isfinite(_largest_magnitude(tensors).item())
 
-    The largest of the tensors' largest magnitudes (inf-norms, in float32; a NaN anywhere
-    makes it NaN) is finite exactly when every tensor is, except for a float64 value beyond
-    float32's range: only when it is not finite does the exact check run, tensor by tensor.
-    """
+
+def nonfinite_flag(tensors) -> torch.Tensor:
+    """0-dim bool on the tensors' device, True when some element is NaN or ±inf, with no host
+    read and five launches whatever the number of tensors."""
     tensors = list(tensors)
     if not tensors:
-        return True
-    if math.isfinite(largest_magnitude(tensors).item()):
-        return True
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+        raise ValueError("nonfinite_flag needs at least one tensor")
+    largest = _largest_magnitude(tensors)
+    gap = largest - largest                  # NaN exactly when largest is ±inf or NaN, else 0
+    return gap.ne(gap)                       # two launches where isfinite() takes four
 
 
-def largest_magnitude(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """max over the tensors of max |x| as a float32 scalar on their device (NaN if any
-    element is NaN): three launches whatever the number of tensors."""
-    return torch.stack(torch._foreach_norm(tensors, float("inf"), dtype=torch.float32)).max()
+def _largest_magnitude(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """max over the tensors of max |x| (NaN if some element is), as a 0-dim tensor on their
+    device, in a dtype that holds every value exactly (float32 for 16- and 32-bit floats,
+    float64 when one is float64), so it is finite exactly when every element is: three
+    launches whatever the number of tensors (`_foreach_norm` groups them by device and dtype)."""
+    wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    return torch.stack(torch._foreach_norm(tensors, float("inf"), dtype=wide)).max()
