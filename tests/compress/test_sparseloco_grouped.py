@@ -80,10 +80,11 @@ def test_a_non_finite_level_from_a_peer_is_flagged_on_the_device():
 
 
 def test_tensors_of_one_chunk_shape_form_one_family_stacked_by_columns():
-    shapes = [(64, 32), (37, 24), (96,), (48,), (16, 64), (32, 32)]
+    shapes = [(64, 32), (37, 24), (96,), (48,), (16, 64), (32, 32), (32, 16)]
     g = GroupedSparseLoCo(SparseLoCoTopK(topk=32, chunk=16), shapes, "cpu")
     assert g.alone == [1]                                        # (37, 24) pads its rows
-    # 16 x 16 chunks: cols 32 (two tensors stacked), cols 64; 1 x 16 chunks: cols 96, cols 48
-    assert [[(members, cols) for members, cols, *_ in f.stacks] for f in g.families] == [
-        [([0, 5], 32), ([4], 64)], [([2], 96), ([3], 48)]]
-    assert g.tensors == [0, 5, 4, 2, 3]
+    # 16 x 16 chunks: (32, 16) one chunk wide (chunk-major is row-major: the None stack), then
+    # cols 32 (two tensors stacked), cols 64; 1 x 16 chunks: all row-major
+    assert [f.members for f in g.families] == [[6, 0, 5, 4], [2, 3]]
+    assert [[cols for cols, *_ in f.stacks] for f in g.families] == [[None, 32, 64], [None]]
+    assert g.tensors == [6, 0, 5, 4, 2, 3]

@@ -71,6 +71,18 @@ def test_a_bf16_parameter_goes_alone_and_changes_nothing():
     assert 3 in opt._grouped.alone
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(overlap=True, delay=3), dict(overlap=True, delay=2, eager_scale=1.5)],
+                         ids=str)
+def test_every_parameter_alone_bf16_changes_nothing(kw):
+    """Tensors alone are encoded one after the other: each one's Sent must be used before the
+    next one's encode reuses the compressor's scratch."""
+    dtypes = [torch.bfloat16] * len(SHAPES)
+    ours, opt, history = _run(True, dtypes=dtypes, **kw)
+    ref, _, ref_history = _run(False, dtypes=dtypes, **kw)
+    _same((history, ours), (ref_history, ref))
+    assert opt._grouped.tensors == []
+
+
 def test_a_grouped_sync_in_flight_lands_alike_on_the_per_tensor_path():
     """The pending state (e', θ_s, θ before the jump) has one layout on both paths."""
     ours, opt, _ = _run(True, steps=7, flush=False, overlap=True, delay=3)

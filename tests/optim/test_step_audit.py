@@ -109,3 +109,48 @@ def test_the_trailer_writer_writes_what_write_trailer_writes_step_after_step():
         writer.write(buf, step, bad, present)
         write_trailer(want, step, bad, present)
         assert torch.equal(buf, want), step
+
+
+# ---- SparseLoCo's sync on the grouped layout (issue 46; `thinwire.optim.sparseloco_groups`) -----
+# delay 3 with the eager jump: a cycle holds a local step, the sync step (θ_s, the jump) and the
+# landing step (every rank's rows read, Δ̄, θ₀, the rejoin). DiLoCo on the same schedule shows
+# what the envelope itself costs, so the difference is SparseLoCo's own.
+SPARSELOCO_BUILDS = {
+    "sparseloco-delayed": lambda ps: thinwire.SparseLoCo(ps, inner=lambda q: torch.optim.AdamW(q, lr=1e-3, foreach=True),
+                                                         sync_every=SYNC_EVERY, topk=8, chunk=16, overlap=True,
+                                                         delay=SYNC_EVERY - 1),
+    "diloco-delayed": lambda ps: thinwire.DiLoCo(ps, inner=lambda q: torch.optim.AdamW(q, lr=1e-3, foreach=True),
+                                                 sync_every=SYNC_EVERY, overlap=True, delay=SYNC_EVERY - 1),
+    "torch-adamw-foreach": BUILDS["torch-adamw-foreach"],
+}
+
+
+def _sparseloco_audit_all(rank: int, world: int) -> dict:
+    saved = dict(BUILDS)
+    BUILDS.update(SPARSELOCO_BUILDS)
+    try:
+        return {(name, blocks): _audited_cycle(rank, world, name, blocks) for name in SPARSELOCO_BUILDS
+                for blocks in (2, 8)}
+    finally:
+        BUILDS.clear()
+        BUILDS.update(saved)
+
+
+@pytest.fixture(scope="module")
+def sparseloco_audited():
+    return run_workers(_sparseloco_audit_all, 2)[0]
+
+
+def test_sparseloco_sync_launches_stay_flat_and_it_reads_the_host_at_most_once_of_its_own(sparseloco_audited):
+    """From 28 to 100 tensors every step launches the same (within 10 %); at most one host read
+    per step beyond what DiLoCo's envelope makes on the same schedule (the landing's check of
+    what arrived). At 8 blocks the sync step stays under 16x torch AdamW's launches (it was
+    about 700x before the grouped layout; the issue's goal of 3x is not met: see
+    docs/design.md)."""
+    two, eight = sparseloco_audited[("sparseloco-delayed", 2)], sparseloco_audited[("sparseloco-delayed", 8)]
+    for (a, _), (b, _) in zip(two, eight):
+        assert b <= 1.1 * a, (a, b)
+    envelope = sparseloco_audited[("diloco-delayed", 8)]
+    assert all(r - e <= 1 for (_, r), (_, e) in zip(eight, envelope)), (eight, envelope)
+    adamw = max(n for n, _ in sparseloco_audited[("torch-adamw-foreach", 8)])
+    assert max(n for n, _ in eight) <= 16 * adamw

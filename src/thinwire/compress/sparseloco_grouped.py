@@ -34,7 +34,7 @@ from ..ops.select import ascending, largest_indices
 from ..wire import checks
 from ..wire.shares import MessageMap, ShareStream
 from ..wire.spans import spans
-from ..wire.twobit import LEVELS, quantize_segments
+from ..wire.twobit import LEVELS, Segments, quantize_segments
 from .sparseloco_topk import SparseLoCoTopK
 
 LEVEL_BYTES = 4 * LEVELS
@@ -47,30 +47,31 @@ def joins(comp: SparseLoCoTopK, shape) -> bool:
 
 class _Family:
     """Joined tensors of one chunk shape: `members` (layout indices, stack by stack), their
-    G chunks as rows, kept values [kept]."""
+    G chunks as rows, kept values [kept], their elements staged at [staged, staged + numel)."""
 
     def __init__(self, comp: SparseLoCoTopK, shapes, offsets, members: list[int], kept: int, staged: int, device):
-        plans = [comp.plan(shapes[i]) for i in members]
-        self.members, self.plans = members, plans
+        stacks: dict[int | None, list[int]] = {None: []}        # cols -> members; None: chunk-major is row-major
+        for i in members:
+            plan = comp.plan(shapes[i])
+            stacks.setdefault(None if plan.chunk_rows == 1 or plan.grid[1] == 1 else plan.cols, []).append(i)
+        self.members = [i for js in stacks.values() for i in js]
+        plans = [comp.plan(shapes[i]) for i in self.members]
         self.h, self.w, self.k = plans[0].chunk_rows, plans[0].chunk_cols, comp.k(plans[0].shape)
         self.coding = comp.coding(plans[0].shape)
         self.chunks = [p.num_chunks for p in plans]
         self.rows = sum(self.chunks)
         self.kept = slice(kept, kept + self.rows * self.k)
-        stacks: dict[int, list[int]] = {}                          # cols -> member positions j
-        for j, plan in enumerate(plans):
-            stacks.setdefault(plan.cols, []).append(j)
-        assert [j for js in stacks.values() for j in js] == list(range(len(members))), "members come stack by stack"
-        first = list(accumulate(self.chunks, initial=0))
-        # (its members' layout indices, cols, stacked rows, its first chunk row, its place in the stage)
-        self.stacks = []
+        self.views = [(offsets[i], plan.rows * plan.cols) for i, plan in zip(self.members, plans)]   # (start, numel)
+        self.staged = slice(staged, staged + sum(n for _, n in self.views))
+        # (cols or None, its first element in the stage, its elements, its first chunk row)
+        self.stacks, at, row = [], 0, 0
         for cols, js in stacks.items():
-            rows = sum(plans[j].rows for j in js)
-            self.stacks.append(([members[j] for j in js], cols, rows, first[js[0]], staged))
-            staged += rows * cols
-        self.staged = staged                                                   # the next family's place
+            numel, chunks = sum(_numel(shapes[i]) for i in js), sum(comp.plan(shapes[i]).num_chunks for i in js)
+            if js:
+                self.stacks.append((cols, at, numel, row))
+            at, row = at + numel, row + chunks
         origins, cols = [], []
-        for i, plan in zip(members, plans):
+        for i, plan in zip(self.members, plans):
             (gr, gc), h, w = plan.grid, plan.chunk_rows, plan.chunk_cols
             # chunk (a, b)'s (0, 0) in the layout: offset + a·h·cols + b·w   [gr·gc]
             origins.append((offsets[i] + torch.arange(gr)[:, None] * (h * plan.cols) + torch.arange(gc)[None, :] * w).view(-1))
@@ -86,18 +87,21 @@ class _Family:
         u = torch.div(idx, self.w, rounding_mode="floor")
         return torch.add(u.mul_(self.skip), self.origin, out=out).add_(idx)
 
-    def select(self, x: torch.Tensor, stage: torch.Tensor, offsets, shapes, out: torch.Tensor) -> None:
+    def select(self, x: torch.Tensor, stage: torch.Tensor, out: torch.Tensor) -> None:
         """|x| chunk-major for every member, one top-k, the kept positions into out [G, k]."""
         h, w = self.h, self.w
-        for members, cols, rows, first, at in self.stacks:
-            views = [x[offsets[i]: offsets[i] + _numel(shapes[i])].view(-1, cols) for i in members]   # [R_i, cols]
-            image = views[0]
-            if len(views) > 1:                                                    # [ΣR_i, cols]
-                image = torch.cat(views, out=stage[at: at + rows * cols].view(rows, cols))
-            grid = (rows // h, cols // w)
-            rows_out = self.magnitude[first: first + grid[0] * grid[1]]
+        views = [x[start: start + n] for start, n in self.views]
+        # every member's elements, row-major, one after the other
+        image = torch.cat(views, out=stage[self.staged]) if len(views) > 1 else views[0]
+        magnitude = self.magnitude.view(-1)
+        for cols, at, numel, row in self.stacks:
+            part, rows_out = image[at: at + numel], magnitude[row * h * w: row * h * w + numel]
+            if cols is None:                                                      # chunk-major is row-major
+                torch.abs(part, out=rows_out)
+                continue
+            grid = (numel // (h * cols), cols // w)
             # [ΣR, cols] -> [ΣR/h, h, cols/w, w] -> [ΣR/h, cols/w, h, w]: chunk-major, one strided pass
-            torch.abs(image.view(grid[0], h, grid[1], w).permute(0, 2, 1, 3), out=rows_out.view(grid[0], grid[1], h, w))
+            torch.abs(part.view(grid[0], h, grid[1], w).permute(0, 2, 1, 3), out=rows_out.view(grid[0], grid[1], h, w))
         idx = largest_indices(self.magnitude, self.k)
         self.idx = ascending(idx, h * w) if self.coding.sorted else idx
         self.positions(self.idx, out)
@@ -121,23 +125,20 @@ class GroupedSparseLoCo:
         self.eligible = [True] * len(self.shapes) if eligible is None else list(eligible)
         self.offsets = [s.start for s in spans(_numel(s) for s in self.shapes)]
         self.payloads = spans(comp.payload_nbytes(s) for s in self.shapes)
-        by_shape: dict[tuple[int, int], dict[int, list[int]]] = {}           # (h, w) -> cols -> layout indices
+        by_shape: dict[tuple[int, int], list[int]] = {}                      # (h, w) -> layout indices
         for i, shape in enumerate(self.shapes):
             if self.eligible[i] and joins(comp, shape):
                 plan = comp.plan(shape)
-                by_shape.setdefault((plan.chunk_rows, plan.chunk_cols), {}).setdefault(plan.cols, []).append(i)
+                by_shape.setdefault((plan.chunk_rows, plan.chunk_cols), []).append(i)
         self.alone = [i for i, s in enumerate(self.shapes) if not (self.eligible[i] and joins(comp, s))]
         self.families, kept, staged = [], 0, 0
-        for stacks in by_shape.values():
-            members = [i for js in stacks.values() for i in js]
+        for members in by_shape.values():
             self.families.append(_Family(comp, self.shapes, self.offsets, members, kept, staged, device))
-            kept, staged = kept + self.families[-1].rows * self.families[-1].k, self.families[-1].staged
+            kept, staged = kept + self.families[-1].rows * self.families[-1].k, self.families[-1].staged.stop
         self.tensors = [i for f in self.families for i in f.members]                 # kept order
         lengths = [c * f.k for f in self.families for c in f.chunks]                  # C·k per tensor
         self.kept = kept
-        self.lengths = torch.tensor(lengths, dtype=torch.int64, device=device)
-        self.segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.int64)).to(device)
-        self.level_of = self.segment * LEVELS                                      # t_q = levels.flat[4 · tensor + q]
+        self.segment = Segments(lengths, device)                                  # each kept value's tensor
         self.positions = torch.empty(kept, dtype=torch.int64, device=device)       # this sync's kept positions
         self.map = self._map(lengths)
 
@@ -166,7 +167,7 @@ class GroupedSparseLoCo:
         """Every joined tensor's top-k of |x| (x: the layout's flat float32 values; stage: a flat
         float32 scratch of x's size)."""
         for f in self.families:
-            f.select(x, stage, self.offsets, self.shapes, self.positions[f.kept].view(f.rows, f.k))
+            f.select(x, stage, self.positions[f.kept].view(f.rows, f.k))
 
     def encode(self, x: torch.Tensor, message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """After `select`: the joined tensors' bytes into `message` (the payloads, end to end);
@@ -174,7 +175,7 @@ class GroupedSparseLoCo:
         if not self.tensors:
             return self.positions, x.new_empty(0)
         values = x.take(self.positions)                                           # [K] the kept values
-        q, levels = quantize_segments(values, self.segment, self.lengths, len(self.tensors))
+        q, levels = quantize_segments(values, self.segment)
         self.map.raw_out(0, levels.numel() * 4).copy_(levels.view(-1).view(torch.uint8))
         s = 0
         for f in self.families:
@@ -184,7 +185,7 @@ class GroupedSparseLoCo:
         self.map.streams[s].pack(q, self.map.stream_out(s))
         self.map.write(message)
         # x̂ = t_q, as the codec decodes it
-        return self.positions, levels.view(-1).take(q.add_(self.level_of))
+        return self.positions, levels.view(-1).take(q.add_(self.segment.level_of))
 
     def read(self, messages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """Every rank's message [W, nbytes] -> (positions [W, K] in the layout, values [W, K],
@@ -206,7 +207,7 @@ class GroupedSparseLoCo:
             flags += [bad] if bad is not None else []
             # [W·G, k] -> [W, G, k]: each rank's chunks against the family's chunk origins
             f.positions(idx.view(world, f.rows, f.k), positions[:, f.kept].view(world, f.rows, f.k))
-        codes = self._unpack(got, s, world).add_(self.level_of)                   # [W, K]: 4 · tensor + q
+        codes = self._unpack(got, s, world).add_(self.segment.level_of)                   # [W, K]: 4 · tensor + q
         values = levels.gather(1, codes)
         flags.append(checks.nonfinite(values))
         return positions, values, flags

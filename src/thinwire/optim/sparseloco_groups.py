@@ -79,36 +79,51 @@ def encode(opt, step: int, layout: list[Member], payload: torch.Tensor) -> None:
     torch._foreach_add_(xs, [st["error"] for st in states], alpha=opt.error_decay)
     g.select(opt._unsent, opt._mean)                        # the Δ̄ scratch as the stage: free until landing
     positions, sent = g.encode(opt._unsent, payload)
-    alone = {i: opt.compressor.encode_sent(xs[i], g.payloads[i].of(payload), step) for i in g.alone}
-    # e' = e − Δ̂, committed when the sync lands: a + (−v) is a − v, positions distinct
-    opt._unsent.index_add_(0, positions, sent.neg())
-    for i, s in alone.items():
-        _subtract_sent(xs[i], s)
+    # e' = e − Δ̂, committed when the sync lands: a + (−1)·v is a − v exactly, positions distinct
+    opt._unsent.index_add_(0, positions, sent, alpha=-1.0)
     if opt.delay > 1:
-        _launch(opt, g, layout, positions, sent, alone)
+        opt._launched = _reuse(opt._launched, n, device)
+        if opt._eager_now:
+            opt._x = _reuse(opt._x, n, device)
+            torch._foreach_copy_(_views(opt._x, g, layout), params)   # θ before the jump: a sync not made puts it back
+    for i in g.alone:                                       # tensor by tensor (their Sent shares a scratch)
+        _alone(opt, step, g, layout[i].param, anchors[i], xs[i], i, payload)
+    if opt.delay > 1:
+        _launch(opt, g, layout, positions, sent)
     opt._own_sent, opt._eager_jumped = None, opt._eager_now
 
 
-def _launch(opt, g: GroupedSparseLoCo, layout: list[Member], positions, sent, alone: dict) -> None:
-    """θ_s kept until the sync lands; with `eager`, θ before the jump kept, then the jump."""
-    device, n = layout[0].param.device, opt._unsent.numel()
-    opt._launched = _reuse(opt._launched, n, device)
-    params, launched = [m.param for m in layout], _views(opt._launched, g, layout)
+def _alone(opt, step: int, g: GroupedSparseLoCo, p, anchor, x, i: int, payload) -> None:
+    """A tensor that cannot join: its Δ̂ into the message, e', and θ_s / the jump, as per tensor."""
+    sent = opt.compressor.encode_sent(x, g.payloads[i].of(payload), step)
+    _subtract_sent(x, sent)                                 # e' = e − Δ̂
+    if opt._eager_now:
+        # θ ← θ₀ − c α Δ̂_r, in the parameter's dtype
+        p.copy_(anchor)
+        _subtract_sent(p, sent, opt.eager_scale * opt.outer_lr)
+    if opt.delay > 1:
+        kept = opt._launched[g.offsets[i]: g.offsets[i] + p.numel()].view(p.shape)
+        kept.copy_(p)                                       # θ_s
+
+
+def _launch(opt, g: GroupedSparseLoCo, layout: list[Member], positions, sent) -> None:
+    """θ_s of the joined tensors kept until the sync lands; with `eager`, the jump first."""
+    joined = g.tensors
+    if not joined:
+        return
+    params, launched = [layout[i].param for i in joined], _views(opt._launched, g, layout)
+    launched = [launched[i] for i in joined]
     if not opt._eager_now:
         torch._foreach_copy_(launched, params)              # θ_s = θ
         return
-    opt._x = _reuse(opt._x, n, device)
-    torch._foreach_copy_(_views(opt._x, g, layout), params)   # θ before the jump: a sync not made puts it back
-    scale, anchors = opt.eager_scale * opt.outer_lr, [opt.state[m.key]["anchor"] for m in layout]
-    joined = g.tensors
-    # θ_s = θ₀ − c α Δ̂_r for the joined tensors, in the flat θ_s, then θ ← θ_s
-    torch._foreach_copy_([launched[i] for i in joined], [anchors[i] for i in joined])
-    opt._launched.index_add_(0, positions, sent.mul(scale).neg_())
-    torch._foreach_copy_([params[i] for i in joined], [launched[i] for i in joined])
-    for i, s in alone.items():                              # tensor by tensor, in the parameter's dtype
-        params[i].copy_(anchors[i])
-        _subtract_sent(params[i], s, scale)
-        launched[i].copy_(params[i])
+    scale = opt.eager_scale * opt.outer_lr
+    # θ_s = θ₀ − c α Δ̂_r in the flat θ_s, then θ ← θ_s
+    torch._foreach_copy_(launched, [opt.state[layout[i].key]["anchor"] for i in joined])
+    if scale == 1.0:                                        # a + (−1)·v: exact, as a + (−v)
+        opt._launched.index_add_(0, positions, sent, alpha=-1.0)
+    else:                                                   # the product rounded first, as per tensor
+        opt._launched.index_add_(0, positions, sent.mul(scale).neg_())
+    torch._foreach_copy_(params, launched)
 
 
 def apply(opt, step: int, layout: list[Member], rows: torch.Tensor) -> None:
@@ -138,7 +153,8 @@ def apply(opt, step: int, layout: list[Member], rows: torch.Tensor) -> None:
         mean.mul_(opt.outer_lr)
     # θ₀ ← θ₀ − α Δ̄
     same = [i for i, st in enumerate(states) if st["anchor"].dtype == torch.float32]
-    torch._foreach_sub_([states[i]["anchor"] for i in same], [means[i] for i in same])
+    if same:
+        torch._foreach_sub_([states[i]["anchor"] for i in same], [means[i] for i in same])
     for i, st in enumerate(states):
         if st["anchor"].dtype != torch.float32:             # rounded to its dtype first, as per tensor
             st["anchor"].sub_(means[i].to(st["anchor"].dtype))

@@ -55,11 +55,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, levels.float()
 
 
-def quantize_segments(x: torch.Tensor, segment: torch.Tensor, lengths: torch.Tensor,
-                      rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rows` of `rows` rows of different lengths laid end to end: x [n] (any float
-    dtype), segment [n] int64 (each value's row, ascending), lengths [rows] int64 (>= 1 each,
-    on x's device) -> (codes q [n] int64, levels t [rows, 4] float32), with no host read.
+def quantize_segments(x: torch.Tensor, segment: "Segments") -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` of rows of different lengths laid end to end: x [n] (any float dtype),
+    `segment` their layout (`Segments`) -> (codes q [n] int64, levels t [rows, 4] float32),
+    with no host read.
 
     The same formulas; each row's Σ x and Σ (x − μ)² is a segment sum in element order
     (`torch.segment_reduce`: sequential on CPU, one deterministic segmented reduction on a
@@ -68,35 +67,53 @@ def quantize_segments(x: torch.Tensor, segment: torch.Tensor, lengths: torch.Ten
     2^(29 − log2 n) in magnitude; Σ (x − μ)² may differ in its last float64 bit, which moves
     a code only for a value within about 1e-16 (relative) of a bin edge."""
     x64 = x.double()
-    n64 = lengths.double()
     # μ = Σ x / n   [rows]
-    mu = torch.segment_reduce(x64, "sum", lengths=lengths, unsafe=True).div_(n64)
-    centred = x64 - mu.index_select(0, segment)                                  # x − μ  [n]
+    mu = torch.segment_reduce(x64, "sum", lengths=segment.lengths, unsafe=True).div_(segment.n)
+    centred = x64 - mu.index_select(0, segment.row)                              # x − μ  [n]
     # σ = sqrt(Σ (x − μ)² / max(n − 1, 1))   [rows]
-    sigma = torch.segment_reduce(centred.square(), "sum", lengths=lengths, unsafe=True)
-    sigma = sigma.div_(n64.sub(1.0).clamp_(min=1.0)).sqrt_()
+    sigma = torch.segment_reduce(centred.square(), "sum", lengths=segment.lengths, unsafe=True)
+    sigma = sigma.div_(segment.dof).sqrt_()
     width = sigma * (RANGE_SIGMAS / LEVELS)                                      # s = R σ / L
-    width = torch.where((width > 0) & width.isfinite(), width, torch.ones_like(width))
+    # s = 1 where it is not > 0 or not finite (NaN fails both comparisons, as isfinite would)
+    width = torch.where((width > 0) & (width < float("inf")), width, 1.0)
     # q = clamp(round((x − μ) / s + L/2), 0, L − 1); a NaN (non-finite row) codes as 0
-    q = (centred / width.index_select(0, segment) + LEVELS // 2).round_().clamp_(0, LEVELS - 1).nan_to_num_(0.0).long()
-    sums, counts = _segment_bin_sums(q, x64, segment, lengths, rows)
+    q = (centred / width.index_select(0, segment.row) + LEVELS // 2).round_().clamp_(0, LEVELS - 1).nan_to_num_(0.0).long()
+    sums, counts = _segment_bin_sums(q, x64, segment)
     mu = mu.unsqueeze(1)                                                         # [rows, 1]
-    # t_b = mean of the x coded b (μ for an empty level); + (μ − μ): NaN for a non-finite row
+    # t_b = mean of the x coded b (μ for an empty level; an int64 count divides as float64);
+    # + (μ − μ): NaN for a non-finite row
     levels = torch.where(counts > 0, sums / counts.clamp(min=1), mu) + (mu - mu)
     return q, levels.float()
 
 
-def _segment_bin_sums(q, x64, segment, lengths, rows) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ of each row's x coded b, their count), float64 [rows, L], each in element order: on
-    CPU one bincount over row · L + q (as `_bin_sums`); elsewhere a masked [n, L] summed by
-    segment (no atomics: the same bits on every run)."""
+class Segments:
+    """Rows of `lengths` values (each >= 1) laid end to end, on `device`: each value's row
+    (`row`, `level_of` = 4 · row: where its levels start in the flat [rows, 4] levels) and the
+    rows' counts as `quantize_segments` divides by them, made once."""
+
+    def __init__(self, lengths: list[int], device):
+        counts = torch.tensor(lengths, dtype=torch.int64)
+        self.rows = len(lengths)
+        self.lengths = counts.to(device)
+        self.row = torch.repeat_interleave(torch.arange(self.rows), counts).to(device)   # [n]
+        self.level_of = self.row * LEVELS
+        self.n = counts.double().to(device)                                     # n
+        self.dof = counts.sub(1).clamp_(min=1).double().to(device)              # max(n − 1, 1)
+
+
+def _segment_bin_sums(q: torch.Tensor, x64: torch.Tensor, segment: Segments) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ of each row's x coded b float64, their count), [rows, L], each in element
+    order: on CPU one bincount over 4 · row + q (as `_bin_sums`); elsewhere a masked [n, L]
+    summed by segment (no atomics: the same bits on every run)."""
+    rows = segment.rows
     if q.device.type == "cpu":
-        bins = segment.mul(LEVELS).add_(q)                                       # row · L + q  [n]
+        bins = q + segment.level_of                                              # 4 · row + q  [n]
         sums = torch.bincount(bins, weights=x64, minlength=rows * LEVELS).view(rows, LEVELS)
-        return sums, torch.bincount(bins, minlength=rows * LEVELS).view(rows, LEVELS).to(torch.float64)
+        return sums, torch.bincount(bins, minlength=rows * LEVELS).view(rows, LEVELS)
     hit = q.unsqueeze(-1) == torch.arange(LEVELS, device=q.device)              # [n, L]
-    sums = torch.segment_reduce(torch.where(hit, x64.unsqueeze(-1), 0.0), "sum", lengths=lengths, axis=0, unsafe=True)
-    return sums, torch.segment_reduce(hit.double(), "sum", lengths=lengths, axis=0, unsafe=True)
+    sums = torch.where(hit, x64.unsqueeze(-1), 0.0)
+    sums = torch.segment_reduce(sums, "sum", lengths=segment.lengths, axis=0, unsafe=True)
+    return sums, torch.segment_reduce(hit.double(), "sum", lengths=segment.lengths, axis=0, unsafe=True)
 
 
 def _bin_sums(q: torch.Tensor, x64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
