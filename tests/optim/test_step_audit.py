@@ -142,15 +142,15 @@ def sparseloco_audited():
 
 
 def test_sparseloco_sync_launches_stay_flat_and_it_reads_the_host_at_most_once_of_its_own(sparseloco_audited):
-    """From 28 to 100 tensors every step launches the same (within 10 %); at most one host read
-    per step beyond what DiLoCo's envelope makes on the same schedule (the landing's check of
-    what arrived). At 8 blocks the sync step stays under 16x torch AdamW's launches (it was
-    about 700x before the grouped layout; the issue's goal of 3x is not met: see
-    docs/design.md)."""
+    """From 28 to 100 tensors every step launches the same (within 10 %); no host read beyond
+    what DiLoCo's envelope makes on the same schedule (the landing's check of what arrived is
+    a device flag read with the envelope's, `SparseLoCo._arrival`). At 8 blocks the sync
+    step stays under 16x torch AdamW's launches (it was about 700x before the grouped
+    layout; the issue's goal of 3x is not met: see docs/design.md)."""
     two, eight = sparseloco_audited[("sparseloco-delayed", 2)], sparseloco_audited[("sparseloco-delayed", 8)]
     for (a, _), (b, _) in zip(two, eight):
         assert b <= 1.1 * a, (a, b)
     envelope = sparseloco_audited[("diloco-delayed", 8)]
-    assert all(r - e <= 1 for (_, r), (_, e) in zip(eight, envelope)), (eight, envelope)
+    assert all(r <= e for (_, r), (_, e) in zip(eight, envelope)), (eight, envelope)
     adamw = max(n for n, _ in sparseloco_audited[("torch-adamw-foreach", 8)])
     assert max(n for n, _ in eight) <= 16 * adamw

@@ -34,10 +34,12 @@ k = max(1, round(E · topk / chunk²)) (≤ E) kept per chunk,
 L = floor(log2(E / k)), each chunk's ascending and its values in that order;
 `thinwire.wire.indices`), so bytes per sync = 8 + ceil(P / 8) + Σ_params (indices + values), and
 nothing on local steps.
-The sync computes them with `FlatSparseLoCo` (the same bytes as `SparseLoCoTopK` tensor by
-tensor): each parameter's Δ, e and |e|, then the top-k of all of them at once, then each
-parameter's values, e' and eager jump one after the other while it is in cache, the packing and,
-at the landing, the reading batched over parameters of one chunk shape.
+The sync computes them on the grouped layout (`thinwire.optim.sparseloco_groups`, the same
+bytes as `SparseLoCoTopK` tensor by tensor): a number of batched operations per chunk shape,
+not per parameter, and no host read of its own. `opt.grouped = False` takes the per-tensor
+path, the reference: `FlatSparseLoCo`, each parameter's Δ, e and |e|, one top-k per group,
+each parameter's values, e' and eager jump while it is in cache, the packing and, at the
+landing, the reading batched over parameters of one chunk shape.
 Chunks are `ChunkPlan`'s (a tensor viewed as a matrix, each dimension cut into chunks of at
 most `chunk`, zero-padded when it has no divisor in [chunk/2, chunk]).
 
@@ -178,6 +180,7 @@ class SparseLoCo(DiLoCo):
         self._own_sent = None        # what receivers decode of this rank's row (per parameter), encode to landing
         self._flat, self._mean = None, None          # FlatSparseLoCo of the layout; Δ̄'s scratch
         self.grouped = True                          # False: the per-tensor path, the reference (`sparseloco_groups`)
+        self._arrived = None                         # (rows, their grouped read) from `_arrival`, until `_apply`
         super().__init__(params, inner=inner, sync_every=sync_every, outer_lr=outer_lr, outer_momentum=0.0,
                          wire="fp32", nonfinite=nonfinite, process_group=process_group, overlap=overlap,
                          delay=delay)
@@ -285,11 +288,21 @@ class SparseLoCo(DiLoCo):
         if "unsent" in saved:
             self._unsent = saved["unsent"].to(device).clone()
 
+    def _arrival(self, step: int, layout: list[Member], delivery) -> list[torch.Tensor]:
+        """Grouped: every rank's rows read and checked on the device, flags for the envelope's
+        one host read; `_apply` lands what was read here."""
+        if not self.grouped:
+            return []
+        self._arrived = (delivery.data, sparseloco_groups.read(self, layout, delivery.data))
+        return self._arrived[1][2]
+
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         rows, self._eager_jumped = delivery.data, False             # [R, payload bytes], rank order
         own, self._own_sent = self._own_sent, None
+        arrived, self._arrived = self._arrived, None
         if self.grouped:
-            sparseloco_groups.apply(self, step, layout, rows)
+            read = arrived[1] if arrived is not None and arrived[0] is rows else None   # else not read by `_arrival`
+            sparseloco_groups.apply(self, step, layout, rows, read)
             return
         flat, places = self._flat_for(layout), spans(m.param.numel() for m in layout)
         # every row's kept values, this rank's as its encode left them

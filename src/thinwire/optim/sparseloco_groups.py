@@ -126,11 +126,21 @@ def _launch(opt, g: GroupedSparseLoCo, layout: list[Member], positions, sent) ->
     torch._foreach_copy_(params, launched)
 
 
-def apply(opt, step: int, layout: list[Member], rows: torch.Tensor) -> None:
-    """Δ̄ from every rank's row (rank order), then e ← e', θ₀ ← θ₀ − α Δ̄, θ ← θ₀ (+ θ − θ_s)."""
+def read(opt, layout: list[Member], rows: torch.Tensor) -> tuple:
+    """Every rank's row [R, payload bytes] of the joined tensors: (positions [R, K], values
+    [R, K], device flags of malformed bytes)."""
+    return grouped_for(opt, layout).read(rows)
+
+
+def apply(opt, step: int, layout: list[Member], rows: torch.Tensor, arrived: tuple | None = None) -> None:
+    """Δ̄ from every rank's row (rank order), then e ← e', θ₀ ← θ₀ − α Δ̄, θ ← θ₀ (+ θ − θ_s).
+    arrived: `read`'s answer, checked by the envelope's one host read; without it the rows are
+    read and checked here (one host read), before anything moves."""
     g, device = grouped_for(opt, layout), layout[0].param.device
-    positions, values, flags = g.read(rows)
-    raise_malformed(checks.any_of(flags), f" at step {step}")   # the one host read, before anything moves
+    if arrived is None:
+        arrived = g.read(rows)
+        raise_malformed(checks.any_of(arrived[2]), f" at step {step}")
+    positions, values, _ = arrived
     n = opt._unsent.numel()
     mean = opt._mean = _reuse(opt._mean, n, device)
     means = _views(mean, g, layout)

@@ -98,9 +98,19 @@ def _pack_groups(vg: torch.Tensor, width: int, dst: torch.Tensor, word_bits: int
         dst[:, lo:hi].copy_(word.view(torch.uint8).view(m, wbytes)[:, : hi - lo])
 
 
+_SHIFTS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
 def _shifts(width: int, g: int, device) -> torch.Tensor:
-    """[g] int64: value j of a group starts at bit j · width of its word."""
-    return torch.arange(0, g * width, width, dtype=torch.int64, device=device)
+    """[g] int64: value j of a group starts at bit j · width of its word (made once per
+    width and device: a launch saved on every packing and unpacking; never written)."""
+    key = (width, g, torch.device(device))
+    if key in _SHIFTS:
+        return _SHIFTS[key]
+    shifts = torch.arange(0, g * width, width, dtype=torch.int64, device=device)
+    if type(shifts) is torch.Tensor and shifts.device.type != "meta":   # not a tracer's fake tensor
+        _SHIFTS[key] = shifts
+    return shifts
 
 
 def _pack_words(vg: torch.Tensor, width: int, dst: torch.Tensor) -> None:

@@ -41,8 +41,9 @@ class ShareStream:
             # zeros once: the padding values are never written, so they stay zero
             self.buffer = torch.zeros(self.padded_count, dtype=torch.bool if flags else torch.int64, device=device)
         # the bytes of share j that carry its bits: packed byte start_j·w/8 + b -> message byte places[j] + b
-        self.src = [s * bits // 8 + b for s, n in zip(starts, counts) for b in range(packed_nbytes(n, bits))]
-        self.dst = [place + b for place, n in zip(places, counts) for b in range(packed_nbytes(n, bits))]
+        sizes = [packed_nbytes(n, bits) for n in counts]
+        self.src = _runs([s * bits // 8 for s in starts[:-1]], sizes)
+        self.dst = _runs(places, sizes)
 
     def pack(self, values: torch.Tensor, out: torch.Tensor) -> None:
         """values [count] (every share's, in order) -> `out`, nbytes uint8."""
@@ -69,22 +70,21 @@ class MessageMap:
         src, dst, self.raw_at, at = [], [], [], 0
         for size, places in raw:
             self.raw_at.append(at)
-            for j, place in enumerate(places):
-                src += range(at + j * size, at + (j + 1) * size)
-                dst += range(place, place + size)
+            src.append(_runs([at + j * size for j in range(len(places))], [size] * len(places)))
+            dst.append(_runs(places, [size] * len(places)))
             at += size * len(places)
         self.stream_at = []
         for stream in streams:
             self.stream_at.append(at)
-            src += [at + b for b in stream.src]
-            dst += stream.dst
+            src.append(stream.src + at)
+            dst.append(stream.dst)
             at += stream.nbytes
         self.total = at
         self.packed = torch.zeros(at, dtype=torch.uint8, device=device)
-        self.src = torch.tensor(src, dtype=torch.int64, device=device)
-        self.dst = torch.tensor(dst, dtype=torch.int64, device=device)
+        src, dst = torch.cat(src), torch.cat(dst)
         # packed byte -> message byte (bytes of padding only: byte 0, read and dropped)
-        self._where = torch.zeros(at, dtype=torch.int64).index_copy_(0, self.src.cpu(), self.dst.cpu())
+        self._where = torch.zeros(at, dtype=torch.int64).index_copy_(0, src, dst)
+        self.src, self.dst = src.to(device), dst.to(device)
         self._received: dict[int, torch.Tensor] = {}
 
     def stream_out(self, s: int) -> torch.Tensor:
@@ -112,3 +112,13 @@ class MessageMap:
         """[world, nbytes] uint8 -> the received scratch: per run and stream, W copies end to end."""
         world = messages.shape[0]
         return messages.reshape(-1).take(self.received_index(world))
+
+
+def _runs(starts: list[int], sizes: list[int]) -> torch.Tensor:
+    """[Σ sizes] int64: start_j, start_j + 1, ..., start_j + size_j − 1 for each j in turn (CPU)."""
+    sizes_t = torch.tensor(sizes, dtype=torch.int64)
+    total = int(sizes_t.sum())
+    # each element's run j, and its place b in that run: start_j + b
+    run = torch.repeat_interleave(torch.arange(len(sizes)), sizes_t)
+    first = torch.cumsum(sizes_t, 0) - sizes_t                                   # where run j begins
+    return torch.tensor(starts, dtype=torch.int64)[run] + torch.arange(total) - first[run]
