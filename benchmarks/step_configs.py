@@ -48,6 +48,16 @@ CONFIGS: dict[str, StepConfig] = {
         process_group=pg), SPARSELOCO_H),
     "diloco": StepConfig(lambda ps, pg: thinwire.DiLoCo(ps, inner=lambda q: _adamw(q, foreach=True),
                                                         sync_every=DILOCO_H, process_group=pg), DILOCO_H),
+    # nonfinite='skip' with fused torch optimizers: no host read in a steady-state step (issue 46)
+    "dense-fused-skip": StepConfig(lambda ps, pg: thinwire.DenseAllReduce(_adamw(ps, fused=True), nonfinite="skip",
+                                                                          process_group=pg)),
+    "demo-skip": StepConfig(lambda ps, pg: thinwire.DeMo(ps, lr=1e-4, topk=32, chunk=64, nonfinite="skip",
+                                                         process_group=pg)),
+    "sparseloco-fused": StepConfig(lambda ps, pg: thinwire.SparseLoCo(
+        ps, inner=lambda q: _adamw(q, fused=True), sync_every=SPARSELOCO_H, overlap=True, delay=SPARSELOCO_H - 1,
+        process_group=pg), SPARSELOCO_H),
+    "diloco-fused": StepConfig(lambda ps, pg: thinwire.DiLoCo(ps, inner=lambda q: _adamw(q, fused=True),
+                                                              sync_every=DILOCO_H, process_group=pg), DILOCO_H),
     "apmsqueeze": StepConfig(lambda ps, pg: thinwire.APMSqueeze(ps, lr=1e-4, warmup_steps=5, process_group=pg)),
     "ef21-muon": StepConfig(lambda ps, pg: thinwire.EF21Muon(ps, lr=0.02, process_group=pg)),
     "lordo": StepConfig(lambda ps, pg: thinwire.LoRDO(ps, lr=1e-4, rank=_quarter_width(ps), sync_every=LORDO_H,

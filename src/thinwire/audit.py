@@ -83,6 +83,8 @@ def _crosses_to_host(name: str, args, kwargs) -> bool:
     if name == "_to_copy":
         src, dst = _device_of(args[0]), kwargs.get("device")
     elif name == "copy_":
+        if (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)):
+            return False                         # into pinned memory, waited for by an event later
         dst, src = _device_of(args[0]), _device_of(args[1])
     else:
         return False
@@ -102,7 +104,8 @@ def classify(func, args: tuple, kwargs: dict, host: frozenset = frozenset()) -> 
     if func.is_view or name in NO_KERNEL:
         return "free"
     if host and args and _on_host(args[0], host):
-        return "free"
+        # a copy into host memory from the device is a launch (an asynchronous copy); work on host values is free
+        return "launch" if name == "copy_" and len(args) > 1 and not _on_host(args[1], host) else "free"
     if (name in DATA_DEPENDENT or _returns_host_scalar(func) or _crosses_to_host(name, args, kwargs)
             or (name in ("index", "index_put", "index_put_") and _bool_index(args))
             or (name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 4)):
@@ -124,8 +127,9 @@ class StepAudit(TorchDispatchMode):
     def host_steps(optimizer) -> list[torch.Tensor]:
         """The step counters that torch optimizers (`optimizer`, and those it wraps as
         `.optimizers` or `.inner`) keep on the CPU: on a GPU they stay there (unless
-        capturable or fused), so their reads are host work, not device syncs."""
-        found, todo = [], [optimizer]
+        capturable or fused), so their reads are host work, not device syncs; and a thinwire
+        optimizer's host copies of its deferred verdicts (`thinwire.optim.verdict`)."""
+        found, todo = list(getattr(getattr(optimizer, "_verdicts", None), "buffers", [])), [optimizer]
         while todo:
             opt = todo.pop()
             todo += list(getattr(opt, "optimizers", None) or [])
@@ -163,7 +167,8 @@ class StepAudit(TorchDispatchMode):
 
     def _reading(self, method: str, original):
         def read(tensor, *args, **kwargs):
-            self.counts["host_read"][f"Tensor.{method}"] += 1
+            if not _on_host(tensor, self.host):      # a tensor that lives on the host reads no device
+                self.counts["host_read"][f"Tensor.{method}"] += 1
             return original(tensor, *args, **kwargs)
         return read
 

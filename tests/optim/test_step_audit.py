@@ -31,11 +31,23 @@ BUILDS = {
                                          sync_every=SYNC_EVERY),
     "demo": lambda ps: thinwire.DeMo(ps, lr=1e-3, topk=8, chunk=16),
     "demo-lookahead": lambda ps: thinwire.DeMo(ps, lr=1e-3, topk=8, chunk=16, overlap=True, lookahead="momentum"),
+    "dense-fused-skip": lambda ps: thinwire.DenseAllReduce(torch.optim.AdamW(ps, lr=1e-3, fused=True),
+                                                           nonfinite="skip"),
+    "demo-skip": lambda ps: thinwire.DeMo(ps, lr=1e-3, topk=8, chunk=16, weight_decay=0.1, nonfinite="skip"),
+    "demo-lookahead-skip": lambda ps: thinwire.DeMo(ps, lr=1e-3, topk=8, chunk=16, overlap=True,
+                                                    lookahead="momentum", nonfinite="skip"),
+    "diloco-fused": lambda ps: thinwire.DiLoCo(ps, inner=lambda q: torch.optim.AdamW(q, lr=1e-3, fused=True),
+                                               sync_every=SYNC_EVERY),
 }
-GROUPED = ["dense-adamw", "diloco", "demo", "demo-lookahead"]
+GROUPED = ["dense-adamw", "diloco", "demo", "demo-lookahead", "dense-fused-skip", "demo-skip", "demo-lookahead-skip",
+           "diloco-fused"]
 # host reads per step with nonfinite='raise': the status every rank's message carried (DeMo's arrived
 # payloads' validity read with it); DiLoCo's local update first reads this rank's finiteness
-READS = {"dense-adamw": 1, "diloco": 2, "demo": 1, "demo-lookahead": 1}
+READS = {"dense-adamw": 1, "diloco": 2, "demo": 1, "demo-lookahead": 1,
+         # nonfinite='skip': none; the step is applied under the device's verdict (`thinwire.optim.verdict`)
+         "dense-fused-skip": 0, "demo-skip": 0, "demo-lookahead-skip": 0,
+         # a fused inner optimizer skips a bad local step on the device: only the sync reads
+         "diloco-fused": 1}
 
 
 def _audited_cycle(rank: int, world: int, name: str, blocks: int) -> list[tuple[int, int]]:
@@ -79,6 +91,8 @@ def test_a_step_reads_the_host_a_fixed_few_times(audited, name):
     assert max(reads) == READS[name]
     if name == "diloco":
         assert sorted(reads) == [1] * (SYNC_EVERY - 1) + [2]
+    if name == "diloco-fused":
+        assert sorted(reads) == [0] * (SYNC_EVERY - 1) + [1]
 
 
 @pytest.mark.parametrize("name", ["dense-adamw", "diloco"])

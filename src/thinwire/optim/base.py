@@ -41,7 +41,12 @@ Non-finite gradients, the same on every optimizer: on a flagged step no paramete
 no state is committed by `_apply` on any rank; what a healthy rank's `_encode` folded into
 its local state (DeMo's momentum) stays there and is sent later. On a local step (no
 exchange) the rank with the bad gradient skips its own update; with 'raise' it carries the
-flag into the next exchange, where every rank raises together.
+flag into the next exchange, where every rank raises together. The bad rank's own encode is
+skipped, or, where the algorithm can take its gradients on the device (`_masks_nonfinite`),
+runs with them masked (DeMo: as zeros) and its flag travels in the message unread: then
+'raise' reads the device once per step, after the exchange. With 'skip', an algorithm that
+applies under a device flag (`_applies_masked`) reads nothing: the verdict is judged at the
+next call (`thinwire.optim.verdict`; skipped steps in `skipped_steps`).
 """
 
 from __future__ import annotations
@@ -54,9 +59,12 @@ import torch
 from ..comm import CommStats, Communicator
 from ..compress.topk import MALFORMED
 from .checkpoints import EnvelopeCheckpoints, InFlight
+from .hooks import AlgorithmHooks
+from .overlap import OverlapSteps
 from .protocol import (FLAG_NONFINITE, NonFiniteGradientError, all_finite, check_nonfinite_policy, handshake,
                        nonfinite_flag)
 from .shards import check_sharding, local_view
+from .verdict import PendingVerdicts
 
 class Member(NamedTuple):
     """One parameter of the layout. `param` is what the algorithm computes on: the parameter
@@ -88,7 +96,7 @@ def flatten_grads(params, buffer: torch.Tensor) -> torch.Tensor:
     return buffer
 
 
-class CommunicatingOptimizer(EnvelopeCheckpoints, torch.optim.Optimizer):
+class CommunicatingOptimizer(AlgorithmHooks, OverlapSteps, EnvelopeCheckpoints, torch.optim.Optimizer):
     """A torch optimizer that talks to its peers through `self.comm`, inside the envelope above.
 
     `comm_stats` holds this rank's cumulative payload bytes, link bytes sent and received
@@ -112,67 +120,11 @@ class CommunicatingOptimizer(EnvelopeCheckpoints, torch.optim.Optimizer):
         self._agreed: str | None = None          # the description all ranks last agreed on
         self._step = 0                           # steps taken (flagged ones included)
         self._carried = 0                        # a local step's non-finite flag, for the next message
+        self._carried_flag: torch.Tensor | None = None   # the same, kept on the device (`_masks_nonfinite`)
         self._inflight: InFlight | None = None
         self._pending: dict | None = None        # a loaded step in flight, re-sent by the next step()/flush()
         self.gradients_nonfinite: torch.Tensor | None = None   # this step's flag on the device (`_masks_nonfinite`)
-
-    # ---- what the algorithm supplies ------------------------------------------------------
-    EARLY_START = False
-    """True when `_encode` never reads the parameters nor `_apply` the state, and `_exchange`
-    alternates two exchanges by step parity: overlap then sends step t before applying t − 1."""
-
-    def _describe(self, layout: list[Member]) -> str:
-        raise NotImplementedError
-
-    def _exchange(self, step: int, layout: list[Member]):
-        raise NotImplementedError
-
-    def _prepare(self, step: int, layout: list[Member]) -> None:
-        """Create lazily initialised state before this step (default: nothing)."""
-
-    def _encode(self, step: int, layout: list[Member], exchange) -> None:
-        raise NotImplementedError
-
-    def _apply(self, step: int, layout: list[Member], delivery) -> None:
-        raise NotImplementedError
-
-    def _discard(self, step: int, layout: list[Member], exchange) -> None:
-        """A flagged step is dropped on every rank: undo what `_encode` took out of local state
-        for the message (default: nothing)."""
-
-    def _estimate(self, step: int, layout: list[Member], exchange) -> None:
-        """lookahead: move the parameters by this rank's local estimate of the update its
-        exchange in flight will deliver (they are put back exactly before it lands)."""
-        raise NotImplementedError(f"{type(self).__name__} has no lookahead estimate")
-
-    def _landing_step(self, record: InFlight) -> int:
-        """overlap: the step whose step() call lands `record`'s exchange, before its own update
-        (default: the next one). A later one leaves the exchange in flight across local steps
-        (no exchange of their own) until then (`PeriodicAveraging`'s delay)."""
-        return record.step + 1
-
-    def _local_views(self, p: torch.Tensor) -> list[torch.Tensor]:
-        """State of p kept outside self.state[p] that its step may change (default: none)."""
-        return []
-
-    def _masks_nonfinite(self, layout: list[Member]) -> bool:
-        """True when `_encode` may run on non-finite gradients: it reads
-        `self.gradients_nonfinite` (a 0-dim bool on the device) and leaves what it keeps finite
-        (e.g. takes them as zeros, as for a parameter without a gradient), so the envelope
-        need not read the gradients' finiteness on the host before the message; the flag
-        travels in the message and every rank reads it once, after the exchange.
-        Default False: the envelope reads it first and skips the encode of a bad rank."""
-        return False
-
-    def _arrival(self, step: int, layout: list[Member], delivery) -> list[torch.Tensor]:
-        """Device flags (0-dim bool, True: malformed) of what arrived, checked before the
-        step's one host read, which reads them with the prefixes (default: none). A flag
-        that is set makes every rank raise ValueError, after the non-finite check."""
-        return []
-
-    def _presence(self, layout: list[Member]) -> list[bool]:
-        """Which layout parameters this rank has something to send for: a gradient."""
-        return [m.param.grad is not None for m in layout]
+        self._verdicts = PendingVerdicts()      # 'skip': steps applied under the device's verdict, judged later
 
     # ---- the envelope ---------------------------------------------------------------------
     @property
@@ -206,6 +158,7 @@ class CommunicatingOptimizer(EnvelopeCheckpoints, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.comm.stats.begin_step()
+        self._verdicts.judge()                  # the previous steps' deferred verdicts ('skip')
         if self.overlap:
             self._overlapped_step()
         else:
@@ -213,50 +166,6 @@ class CommunicatingOptimizer(EnvelopeCheckpoints, torch.optim.Optimizer):
             self.start_step()
             self.finish_step()
         return loss
-
-    def _overlapped_step(self) -> None:
-        """The previous step's exchange lands and this one's leaves. In that order by default;
-        an algorithm with EARLY_START encodes and sends this step first, so the exchange in
-        flight also overlaps the apply of the previous one (two briefly in flight)."""
-        self._resume()
-        self._take_back_lookahead()
-        previous = self._inflight
-        if previous is not None and max(self._step, previous.step) + 1 < self._landing_step(previous):
-            self._local_step_in_flight(previous)
-            return
-        self._inflight = None
-        if previous is None or not self.EARLY_START:
-            try:
-                if previous is not None:
-                    self._land(previous)
-            except NonFiniteGradientError:
-                self._inflight = self._begin(self._step)   # every call is a step: only the flagged one is lost
-                self._look_ahead()
-                raise
-            self._inflight = self._begin(self._step)
-            self._look_ahead()
-            return
-        try:
-            current = self._begin(previous.step)
-        except BaseException:            # e.g. a peer mismatch, raised before this step changes any
-            self._inflight = previous    # state: the previous exchange stays in flight for flush()
-            raise
-        try:
-            self._land(previous)
-        finally:
-            self._inflight = current
-            if current is not None:      # its absent parameters' snapshot: as the previous apply left them
-                for m in current.layout:
-                    if m.key in current.snapshot:
-                        current.snapshot[m.key][0].copy_(m.param)
-            self._look_ahead()
-
-    def _local_step_in_flight(self, previous: InFlight) -> None:
-        """A step before `previous` is due to land: a local step, its exchange left in flight."""
-        self._step = max(self._step, previous.step)
-        if self._begin(self._step) is not None:
-            raise RuntimeError(f"{type(self).__name__} started an exchange at step {self._step} with the one "
-                               f"of step {previous.step} still in flight: its delay exceeds its interval")
 
     @torch.no_grad()
     def start_step(self) -> None:
@@ -272,48 +181,45 @@ class CommunicatingOptimizer(EnvelopeCheckpoints, torch.optim.Optimizer):
         layout = self.layout()
         self._agree(self._describe(layout), f"step={done}")
         step, present = done + 1, self._presence(layout)
-        grads = [m.param.grad for m in layout if m.param.grad is not None]
         exchange = self._exchange(step, layout)
         self._prepare(step, layout)
+        finite = self._gradients_finite(layout)
         if exchange is None:                                   # a local step: nobody to tell now
-            if all_finite(grads):
-                self._encode(step, layout, None)
-            elif self.nonfinite == "raise":
-                self._carried = FLAG_NONFINITE
-            self._step = step
+            self._local(step, layout, finite)
             return None
         snapshot = {m.key: [t.clone() for t in self._views(m)] for m, here in zip(layout, present) if not here}
-        self.gradients_nonfinite = nonfinite_flag(grads) if grads and self._masks_nonfinite(layout) else None
-        finite = self.gradients_nonfinite is not None or all_finite(grads)
         if finite:
             self._encode(step, layout, exchange)
         else:
             exchange.payload.zero_()
-        exchange.seal(step, (0 if finite else FLAG_NONFINITE) | self._carried, present, self.gradients_nonfinite)
-        self._carried = 0
+        flag, carried = self.gradients_nonfinite, self._carried_flag
+        if carried is not None:                                # a local step's flag, kept on the device
+            flag = carried if flag is None else flag.logical_or(carried)
+        exchange.seal(step, (0 if finite else FLAG_NONFINITE) | self._carried, present, flag)
+        self._carried, self._carried_flag = 0, None
         exchange.start()
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return InFlight(step, layout, exchange, snapshot, hyper)
 
-    def _look_ahead(self) -> None:
-        """lookahead: the parameters moved by this rank's estimate of the update in flight, so
-        the caller's next gradient is taken about where they will be when it lands (Psyche's
-        correction of its one-step overlap). The exact ones are saved first and put back by
-        `_take_back_lookahead` before the next finish."""
-        if not self.lookahead or self._inflight is None:
-            return
-        step, layout, exchange = self._inflight.step, self._inflight.layout, self._inflight.exchange
-        if [s.shape for s in self._saved] != [m.param.shape for m in layout]:
-            self._saved = [torch.empty_like(m.param) for m in layout]
-        torch._foreach_copy_(self._saved, [m.param for m in layout])       # one launch per dtype, not per tensor
-        self._looked_ahead = layout
-        self._estimate(step, layout, exchange)
+    def _gradients_finite(self, layout: list[Member]) -> bool:
+        """This rank's gradients checked: on the device when the algorithm masks them
+        (`gradients_nonfinite` set; True returned, nothing read), else read on the host."""
+        grads = [m.param.grad for m in layout if m.param.grad is not None]
+        masked = bool(grads) and self._masks_nonfinite(layout)
+        self.gradients_nonfinite = nonfinite_flag(grads) if masked else None
+        return masked or all_finite(grads)
 
-    @torch.no_grad()
-    def _take_back_lookahead(self) -> None:
-        if self._looked_ahead is not None:
-            torch._foreach_copy_([m.param for m in self._looked_ahead], self._saved)
-            self._looked_ahead = None
+    def _local(self, step: int, layout: list[Member], finite: bool) -> None:
+        """A step without an exchange: the algorithm's local update, unless this rank's
+        gradients are not finite; with 'raise' their flag goes into the next message."""
+        if finite:
+            self._encode(step, layout, None)
+        elif self.nonfinite == "raise":
+            self._carried = FLAG_NONFINITE
+        flag = self.gradients_nonfinite
+        if flag is not None and self.nonfinite == "raise":
+            self._carried_flag = flag if self._carried_flag is None else self._carried_flag.logical_or(flag)
+        self._step = step
 
     @torch.no_grad()
     def finish_step(self) -> None:
@@ -329,6 +235,8 @@ class CommunicatingOptimizer(EnvelopeCheckpoints, torch.optim.Optimizer):
         step, layout = record.step, record.layout
         self._step = max(self._step, step)      # a delayed exchange lands after local steps
         delivery = record.exchange.finish(step)
+        if self.nonfinite == "skip" and delivery.deferrable and self._applies_masked(layout):
+            return self._land_masked(record, delivery)
         try:
             malformed = delivery.check(self._arrival(step, layout, delivery))     # the step's one host read
             if delivery.flagged:
@@ -337,6 +245,7 @@ class CommunicatingOptimizer(EnvelopeCheckpoints, torch.optim.Optimizer):
                     raise NonFiniteGradientError(
                         f"non-finite gradients on {delivery.flagged} at step {step}; no parameter was updated "
                         f"on any rank ({type(self).__name__}(nonfinite='skip') skips such steps instead)")
+                self._verdicts.skipped.append(step)
                 return
             if any(malformed):
                 raise ValueError(f"{MALFORMED} at step {step}")
@@ -345,12 +254,32 @@ class CommunicatingOptimizer(EnvelopeCheckpoints, torch.optim.Optimizer):
         finally:
             self._restore(layout, record.snapshot, delivery.present)
 
+    def _land_masked(self, record: InFlight, delivery) -> None:
+        """nonfinite='skip' with no host read (`thinwire.optim.verdict`): applied under the
+        device's verdict, which the host judges at the next call."""
+        step, layout = record.step, record.layout
+        try:
+            skip, evidence, judge = delivery.defer(self._arrival(step, layout, delivery))
+            self._verdicts.push(step, evidence, judge)
+            with _hyperparameters(self.param_groups, record.hyper):
+                self._apply_masked(step, layout, delivery, skip)
+        finally:
+            self._restore(layout, record.snapshot, delivery.present)
+
+    @property
+    def skipped_steps(self) -> list[int]:
+        """nonfinite='skip': the steps skipped so far because some rank's gradients (or a
+        reduced sum) were not finite (judged now, for the steps not yet judged)."""
+        self._verdicts.judge()
+        return list(self._verdicts.skipped)
+
     @torch.no_grad()
     def flush(self) -> None:
         """Finish an exchange still in flight (a no-op when none is), lookahead taken back first."""
         self._resume()
         self._take_back_lookahead()
         self.finish_step()
+        self._verdicts.judge()
 
     def _views(self, m: Member) -> list[torch.Tensor]:
         return [m.param, *(v for v in self.state[m.key].values() if torch.is_tensor(v)), *self._local_views(m.key)]

@@ -81,7 +81,7 @@ class EnvelopeCheckpoints:
         if STATS_KEY in state_dict:
             self.comm.stats.load_state_dict(state_dict[STATS_KEY])
         self._step = int(state_dict.get(STEP_KEY, 0))
-        self._agreed, self._carried = None, 0    # handshake again, with the loaded step
+        self._agreed, self._carried, self._carried_flag = None, 0, None    # handshake again, with the loaded step
         self._pending = state_dict.get(INFLIGHT_KEY)
 
     def _drain(self) -> None:
@@ -89,6 +89,7 @@ class EnvelopeCheckpoints:
         collective) and what it delivered is dropped; a lookahead is forgotten, not taken
         back (the model may already hold loaded values)."""
         record, self._inflight, self._looked_ahead = self._inflight, None, None
+        self._verdicts.clear()                   # the verdicts of a run being replaced
         if record is not None:
             record.exchange.finish(record.step)
 

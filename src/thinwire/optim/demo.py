@@ -325,6 +325,22 @@ class DeMo(CommunicatingOptimizer):
             decoded = None
         self._update(step, self._slots(layout), delivery.data, [True] * len(layout), decoded)
 
+    def _applies_masked(self, layout: list[Member]) -> bool:
+        """nonfinite='skip' reads nothing on the host when every parameter is grouped."""
+        return self._masks_nonfinite(layout)
+
+    def _apply_masked(self, step: int, layout: list[Member], delivery, skip: torch.Tensor) -> None:
+        """`_apply` where `skip` is False; where True, `_discard` (M ← M + α·T⁻¹(Q̂_i)) and no θ
+        moves: both on the device, this rank's own message taken from what it gathered."""
+        gathered, decoded = self._arrived
+        self._arrived = None
+        slots = self._slots(layout)
+        received, _, _ = decoded
+        rank = self.comm.rank
+        for g, (positions, values) in zip(self._grouping(slots).groups, received):
+            demo_groups.put_back(g, slots, step, positions[rank], values[rank], skip)
+        self._update(step, slots, gathered, [True] * len(layout), decoded, skip)
+
     def _decode(self, slots: list[Slot], gathered: torch.Tensor, present: list) -> tuple:
         """The payload rows of `gathered` [ranks, payload bytes] decoded: (per group (positions,
         values), per per-tensor parameter its ranks' reads, the device flags of malformed payloads)."""
@@ -343,7 +359,7 @@ class DeMo(CommunicatingOptimizer):
         return [(positions, values) for positions, values, _ in decoded], reads, flags
 
     def _update(self, step: int, slots: list[Slot], gathered: torch.Tensor, present: list,
-                decoded: tuple | None = None) -> None:
+                decoded: tuple | None = None, skip: torch.Tensor | None = None) -> None:
         """Δ = T⁻¹(aggregate of the payload rows of `gathered` [ranks, payload bytes]); θ ← θ(1 − ηλ) − η φ(Δ).
         `decoded`: `_decode`'s answer, checked by the envelope's one host read (`_arrival`);
         without it the rows are decoded and checked here (one host read: `arrival_status`), and
@@ -358,7 +374,7 @@ class DeMo(CommunicatingOptimizer):
         for g, (positions, values) in zip(groups.groups, received):
             delta = demo_groups.aggregate(g, positions, values, out=a, counts=b)
             g.chunks.comp.transform.inverse_image(delta, g.chunks.plan, step, scratch=b)
-            demo_groups.step_params(g, slots, delta, present)
-        for i, read in reads.items():
+            demo_groups.step_params(g, slots, delta, present, skip)
+        for i, read in reads.items():                       # none under `skip` (`_applies_masked`)
             group, p, comp, _, _, key = slots[i]
             step_param(p, comp.aggregate(read, p.shape, step, group["aggregate"], out=a, scratch=b), group, key)

@@ -141,18 +141,37 @@ def aggregate(g: Group, positions: torch.Tensor, values: torch.Tensor, out: torc
     return image.div_(count.clamp_(min=1))
 
 
-def step_params(g: Group, slots, delta: torch.Tensor, present: list[bool] | None = None) -> None:
+def put_back(g: Group, slots, step: int, positions: torch.Tensor, values: torch.Tensor, skip: torch.Tensor) -> None:
+    """Where `skip` (0-dim bool on the device) is set, a step that is not applied gives back
+    what `encode` took: T(M) ← T(M) + α Q̂_i (positions, values: this rank's own message, as
+    decoded); where it is not, T(M) is left exactly as it is (−0.0 is added)."""
+    # T(M) ← T(M) + α·(skip ? Q̂_i : −0)
+    taken = torch.where(skip, values.reshape(-1), -0.0)
+    g.momentum.view(-1).index_add_(0, positions.reshape(-1), taken, alpha=g.hyper["alpha"])
+    comp = g.chunks.comp
+    for i, view in zip(g.members, g.chunks.views(g.momentum)):
+        plan_i = comp.plan(slots[i].param.shape)
+        if plan_i.padded:                                    # what lands in the padding is dropped
+            comp.transform.zero_padding_(view, plan_i, step)
+
+
+def step_params(g: Group, slots, delta: torch.Tensor, present: list[bool] | None = None,
+                skip: torch.Tensor | None = None) -> None:
     """θ ← θ(1 − ηλ), then θ ← θ − η φ(Δ) (`demo.step_param`) for the members (those `present`),
-    with one op per group: Δ the group's image, padding rows included."""
+    with one op per group: Δ the group's image, padding rows included. `skip` (0-dim bool on
+    the device): where set, θ stays exactly as it is (Δ ← 0, 1 − ηλ ← 1)."""
     hyper = g.hyper
     keep = [j for j, i in enumerate(g.members) if present is None or present[i]]
     params = [slots[g.members[j]].param for j in keep]
     if not params:
         return
+    if skip is not None:
+        delta.masked_fill_(skip, 0.0)                       # θ − η φ(0) = θ (adds −0.0)
     crops = g.chunks.crops(delta)
     crops = [crops[j] for j in keep]
     if hyper["weight_decay"]:
-        torch._foreach_mul_(params, 1.0 - hyper["lr"] * hyper["weight_decay"])
+        decay = 1.0 - hyper["lr"] * hyper["weight_decay"]
+        torch._foreach_mul_(params, decay if skip is None else torch.where(skip, 1.0, decay))
     if hyper["base"] == "sgd":
         alpha = 1.0 if hyper["momentum_form"] == "reference" else hyper["lr"]
         torch._foreach_add_(params, crops, alpha=-alpha)

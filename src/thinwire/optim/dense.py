@@ -93,6 +93,22 @@ class DenseAllReduce(CommunicatingOptimizer):
         the flag with them, read by every rank after the all-reduce."""
         return True
 
+    def _applies_masked(self, layout: list[Member]) -> bool:
+        """nonfinite='skip' reads nothing on the host when every wrapped optimizer is one of
+        torch's fused ones, which skip a step on the device (`found_inf`, as under GradScaler)."""
+        return all(o.defaults.get("fused") and getattr(o, "_step_supports_amp_scaling", False)
+                   for o in self.optimizers)
+
+    def _apply_masked(self, step: int, layout: list[Member], delivery, skip: torch.Tensor) -> None:
+        found = skip.to(torch.float32)                 # 1.0: the fused kernels leave θ and their state alone
+        for o in self.optimizers:
+            o.found_inf = found
+        try:
+            self._apply(step, layout, delivery)
+        finally:
+            for o in self.optimizers:
+                del o.found_inf
+
     def _encode(self, step: int, layout: list[Member], exchange: ReduceAll) -> None:
         flatten_grads([m.param for m in layout], exchange.payload)
 

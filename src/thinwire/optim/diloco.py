@@ -68,9 +68,21 @@ class DiLoCo(PeriodicAveraging):
         self._sharing = False
         self._init_sync(process_group, nonfinite, sync_every, outer_lr, outer_momentum, wire, overlap, delay)
 
+    def _masks_nonfinite(self, layout: list[Member]) -> bool:
+        """A fused torch inner optimizer skips a step on the device (`found_inf`, as under
+        GradScaler): then no step reads this rank's gradients' finiteness on the host."""
+        return bool(self.inner.defaults.get("fused")) and getattr(self.inner, "_step_supports_amp_scaling", False)
+
     def _local_step(self, step: int, layout: list[Member]) -> None:
         # θ ← inner.step(θ)   (torch optimizers skip parameters without a gradient)
-        self.inner.step()
+        if self.gradients_nonfinite is None:
+            self.inner.step()
+            return
+        self.inner.found_inf = self.gradients_nonfinite.to(torch.float32)   # 1.0: θ and its state stay
+        try:
+            self.inner.step()
+        finally:
+            del self.inner.found_inf
 
     def add_param_group(self, param_group: dict) -> None:
         """New parameters join the inner optimizer (its defaults fill the group)."""

@@ -27,10 +27,10 @@ import torch
 
 from ..comm import Communicator, Pending
 from ..comm.collectives import OneBitAllReduce
-from .protocol import (FLAG_NONFINITE, PeerMismatchError, PrefixWriter, Presence, TrailerWriter, all_finite,
-                       prefix_nbytes, read_headers, read_presence, read_trailer_verdict, read_verdict, trailer_numel,
-                       LOCKSTEP_SLOTS,
-                       write_prefix)
+from .protocol import (FLAG_NONFINITE, HEADER_NBYTES, LOCKSTEP_SLOTS, PeerMismatchError, PrefixWriter, Presence,
+                       TrailerWriter, all_finite, header_evidence, headers_skip, judge_headers, judge_trailer,
+                       prefix_nbytes, read_headers, read_presence, read_verdict, trailer_evidence, trailer_numel,
+                       trailer_skip, write_prefix)
 
 FLAG_SERVER_ERROR = 2          # a relayed answer's flag: the server rejected this step's messages
 
@@ -54,9 +54,20 @@ class Delivery:
     empty on a good step) and returns the values of `extra`. `flagged` read before `check`
     makes it with no extra flags."""
 
-    def __init__(self, verdict: Callable[[list], tuple[list, list[bool]]], present: Presence, data):
-        self._verdict, self.present, self.data = verdict, present, data
+    def __init__(self, verdict: Callable[[list], tuple[list, list[bool]]], present: Presence, data,
+                 defer: Callable | None = None):
+        self._verdict, self.present, self.data, self._defer = verdict, present, data, defer
         self._flagged: list | None = None
+
+    @property
+    def deferrable(self) -> bool:
+        return self._defer is not None
+
+    def defer(self, extra: list[torch.Tensor] = ()) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+        """Instead of `check`, for nonfinite='skip' (`thinwire.optim.verdict`): (skip, a 0-dim
+        bool on the device; the evidence the host judges later, on the device; the judge of
+        its values -> (flagged ranks, values of `extra`))."""
+        return self._defer(list(extra))
 
     def check(self, extra: list[torch.Tensor] = ()) -> list[bool]:
         self._flagged, values = self._verdict(list(extra))
@@ -135,6 +146,7 @@ class GatherAll:
         self._prefix, self._present = PrefixWriter(), []
         self._received: list[torch.Tensor] = []       # each part's [world, part bytes], reused
         self._gathered: torch.Tensor | None = None     # [world, nbytes], the parts side by side
+        self._expected: torch.Tensor | None = None     # the header every rank's must equal (deferred verdicts)
 
     def resize(self, n_params: int, payload_nbytes: int, device) -> torch.Tensor:
         """The send buffer for this layout; returns the payload part (after the prefix)."""
@@ -179,8 +191,17 @@ class GatherAll:
         parts, self._pending = [pending.wait() for pending in self._pending], []
         gathered = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1, out=self._gathered)  # [world, nbytes]
         start = prefix_nbytes(self.n_params)
-        presence = Presence(self._present, lambda: read_presence(gathered[:, :start], self.n_params))
-        return Delivery(lambda extra: read_verdict(gathered[:, :start], step, extra), presence, gathered[:, start:])
+        prefixes, world = gathered[:, :start], self.comm.world_size
+        presence = Presence(self._present, lambda: read_presence(prefixes, self.n_params))
+
+        def defer(extra: list) -> tuple:
+            if self._expected is None or self._expected.device != self.buffer.device:
+                self._expected = torch.empty(HEADER_NBYTES, dtype=torch.uint8, device=self.buffer.device)
+            self._expected.copy_(self.buffer[:HEADER_NBYTES])         # this rank's header, flags byte 0:
+            self._expected[2].fill_(0)                                 # any rank's flag differs from it
+            return (headers_skip(prefixes, self._expected, extra), header_evidence(prefixes, extra),
+                    lambda values: judge_headers(values, world, step))
+        return Delivery(lambda extra: read_verdict(prefixes, step, extra), presence, gathered[:, start:], defer)
 
 
 class ReduceAll:
@@ -225,10 +246,15 @@ class ReduceAll:
         mean = total[:self.numel].div_(world)
         trailer = total[self.numel:]
 
-        def verdict(extra: list) -> tuple[list, list[bool]]:
-            (bad, _, finite), values = read_trailer_verdict(trailer, step, world, payload=mean, extra=extra)
-            return ([f"{bad} rank(s)"] if bad else [] if finite else ["the sum (overflow)"]), values
-        return Delivery(verdict, Presence(self._present, lambda: trailer[1 + LOCKSTEP_SLOTS:] > 0), mean)
+        def judge(values: list) -> tuple[list, list[bool]]:
+            bad, finite, extra_values = judge_trailer(values, world, step)
+            return ([f"{bad} rank(s)"] if bad else [] if finite else ["the sum (overflow)"]), extra_values
+
+        def defer(extra: list) -> tuple:
+            evidence = trailer_evidence(trailer, step, mean, extra)
+            return trailer_skip(evidence, world), evidence, judge
+        return Delivery(lambda extra: judge(trailer_evidence(trailer, step, mean, extra).tolist()),
+                        Presence(self._present, lambda: trailer[1 + LOCKSTEP_SLOTS:] > 0), mean, defer)
 
 
 class OneBitReduce:

@@ -105,15 +105,30 @@ def read_headers(headers: torch.Tensor, step: int) -> list[int]:
 def read_verdict(headers: torch.Tensor, step: int, extra: list[torch.Tensor] = ()) -> tuple[list[int], list[bool]]:
     """`read_headers`, and the values of `extra` (0-dim bool device flags, e.g. the arrival
     checks of what was decoded) read in the same host read: (flagged ranks, extra values)."""
+    return judge_headers(header_evidence(headers, extra).tolist(), headers.shape[0], step)
+
+
+def header_evidence(headers: torch.Tensor, extra: list[torch.Tensor] = ()) -> torch.Tensor:
+    """What the host needs to judge a step's headers: [world · 8 + len(extra)] uint8, the
+    headers row by row, then the extra flags (on the device; `judge_headers` reads it)."""
+    head = headers[:, :HEADER_NBYTES].reshape(-1)                        # [world · 8] uint8
     extra = list(extra)
-    head = headers[:, :HEADER_NBYTES]                                    # [world, 8] uint8
-    if extra:
-        both = torch.cat([head.reshape(-1), torch.stack(extra).to(torch.uint8)]).tolist()
-        flat, values = both[:head.numel()], [bool(v) for v in both[head.numel():]]
-        rows = [flat[r * HEADER_NBYTES: (r + 1) * HEADER_NBYTES] for r in range(head.shape[0])]
-    else:
-        rows, values = head.tolist(), []
-    return _validate(rows, step), values
+    return torch.cat([head, torch.stack(extra).to(torch.uint8)]) if extra else head
+
+
+def headers_skip(headers: torch.Tensor, expected: torch.Tensor, extra: list[torch.Tensor] = ()) -> torch.Tensor:
+    """0-dim bool on the device: the step must not be applied, because some rank's header
+    differs from `expected` (this rank's own header with its flags byte 0: magic, version,
+    step) or sets a flag, or an `extra` flag is set; no host read."""
+    differs = headers[:, :HEADER_NBYTES].ne(expected).any()              # [world, 8] -> 0-dim
+    return torch.stack([differs, *extra]).any() if extra else differs
+
+
+def judge_headers(values: list[int], world: int, step: int) -> tuple[list[int], list[bool]]:
+    """`header_evidence`'s values -> (flagged ranks, extra values); PeerMismatchError for a
+    malformed header or ranks out of lockstep."""
+    rows = [values[r * HEADER_NBYTES: (r + 1) * HEADER_NBYTES] for r in range(world)]
+    return _validate(rows, step), [bool(v) for v in values[world * HEADER_NBYTES:]]
 
 
 def _validate(rows: list[list[int]], step: int) -> list[int]:
@@ -203,16 +218,38 @@ def read_trailer(trailer: torch.Tensor, step: int, world: int, payload: torch.Te
 def read_trailer_verdict(trailer: torch.Tensor, step: int, world: int, payload: torch.Tensor | None = None,
                          extra: list[torch.Tensor] = ()) -> tuple[tuple[int, torch.Tensor, bool], list[bool]]:
     """`read_trailer`, and the values of `extra` (0-dim bool device flags) in the same host read."""
+    values = trailer_evidence(trailer, step, payload, extra).tolist()
+    flagged, finite, extra_values = judge_trailer(values, world, step)
+    return (flagged, trailer[1 + LOCKSTEP_SLOTS:] > 0, finite), extra_values
+
+
+def trailer_evidence(trailer: torch.Tensor, step: int, payload: torch.Tensor | None = None,
+                     extra: list[torch.Tensor] = ()) -> torch.Tensor:
+    """What the host needs to judge a summed trailer, on the device: [3 + len(extra)] of
+    (ranks flagged, ranks at this step's slot, the payload's largest magnitude, extra flags)."""
     slots = trailer[1: 1 + LOCKSTEP_SLOTS]          # counts of 0/1 values: exact in bf16 up to 256 ranks
     largest = trailer.new_zeros(()) if payload is None else torch.linalg.vector_norm(payload, float("inf"))
     # every rank adds one 1 to the slot of its step: a rank at another step leaves this one short
-    read = torch.stack([trailer[0], slots[step % LOCKSTEP_SLOTS], largest.to(trailer.dtype),
-                        *(flag.to(trailer.dtype) for flag in extra)]).tolist()
-    (flags, here, largest), values = read[:3], [bool(v) for v in read[3:]]
+    return torch.stack([trailer[0], slots[step % LOCKSTEP_SLOTS], largest.to(trailer.dtype),
+                        *(flag.to(trailer.dtype) for flag in extra)])
+
+
+def trailer_skip(evidence: torch.Tensor, world: int) -> torch.Tensor:
+    """0-dim bool on the device from `trailer_evidence`: some rank flagged, a rank is at
+    another step, the payload is not finite, or an extra flag is set; no host read."""
+    gap = evidence[2] - evidence[2]                  # NaN exactly when the largest magnitude is not finite
+    wrong = torch.stack([evidence[0], evidence[1] - world, gap.ne(gap).to(evidence.dtype)])
+    return torch.cat([wrong, evidence[3:]]).ne(0).any()
+
+
+def judge_trailer(values: list[float], world: int, step: int) -> tuple[int, bool, list[bool]]:
+    """`trailer_evidence`'s values -> (ranks flagged, whether the payload is finite, extra
+    values); PeerMismatchError when the ranks were not all at `step` (mod 16)."""
+    flags, here, largest = values[:3]
     if here != world:
-        raise PeerMismatchError(f"ranks are out of lockstep at step {step}: step mod {LOCKSTEP_SLOTS} "
-                                f"counts per slot are {slots.tolist()}; were they resumed from different checkpoints?")
-    return (int(flags), trailer[1 + LOCKSTEP_SLOTS:] > 0, math.isfinite(largest)), values
+        raise PeerMismatchError(f"ranks are out of lockstep at step {step}: {int(here)} of {world} ranks are at "
+                                f"step {step} (mod {LOCKSTEP_SLOTS}); were they resumed from different checkpoints?")
+    return int(flags), math.isfinite(largest), [bool(v) for v in values[3:]]
 
 
 def fingerprint(description: str) -> torch.Tensor:
