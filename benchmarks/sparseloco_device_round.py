@@ -12,8 +12,8 @@ each step's end) of:
   `fused=True`;
 - SparseLoCo (overlap, delay, eager; the same AdamW inside, default implementation).
 With one rank the landing decodes no other rank's row, so the table adds, apart, the decode and
-mean of a second row of the same message (`FlatSparseLoCo.decode` / `mean`), which a second
-rank would cost. It first encodes the same tensors on CPU and twice on the device
+mean of a second row of the same message (grouped: `GroupedSparseLoCo.read` and one index_add_
+per row; `--per-tensor`: `FlatSparseLoCo.decode` / `mean`), which a second rank would cost. It first encodes the same tensors on CPU and twice on the device
 (`FlatSparseLoCo`, as SparseLoCo's sync does) and reports which tensors' bytes differ, whether
 only by a swap of equal magnitudes in the kept positions (top-k's tie-break), how far the decoded
 values are apart, and whether the device repeats its own bytes.
@@ -96,13 +96,21 @@ def _swapped_ties(x: torch.Tensor, kept: torch.Tensor, other: torch.Tensor) -> b
     return a.numel() == b.numel() and torch.equal(a, b)
 
 
-def second_row_landing(model, device, flat, payload, own) -> float:
+def second_row_landing(model, device, sl, payload) -> float:
     """Seconds to decode and average one more rank's row of the message on `device` (median of 5):
-    the landing of two rows (this rank's own, as its encode left it, and the same bytes as the
-    other's) against one."""
+    the landing of two rows (the same bytes as the other's) against one; grouped (every row
+    read at once, one index_add_ per row) or per tensor (this rank's own as its encode left it)."""
     means = [torch.empty(p.shape, device=device) for p in model.parameters()]
+    flat, own = sl._flat, sl._own_sent
+    mean = torch.empty(sum(p.numel() for p in model.parameters()), device=device)
 
     def landing(rows):
+        if sl.grouped:
+            positions, values, _ = sl._grouped.read(torch.stack(rows))
+            mean.zero_()
+            for r in range(len(rows)):
+                mean.index_add_(0, positions[r], values[r])
+            return
         decoded = flat.decode(rows, (0, own))
         for i, out in enumerate(means):
             flat.mean(i, decoded, rows, 0, "mean", out)
@@ -122,6 +130,7 @@ def main() -> None:
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--indices", default="elias-fano")
     parser.add_argument("--bf16", action="store_true", help="forward under bf16 autocast")
+    parser.add_argument("--per-tensor", action="store_true", help="SparseLoCo's per-tensor sync (grouped = False)")
     parser.add_argument("--profile", action="store_true", help="then profile one round of SparseLoCo's steps")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
@@ -143,6 +152,7 @@ def main() -> None:
             "adamw fused": adamw(models["adamw fused"].parameters(), fused=True),
             "sparseloco": SparseLoCo(models["sparseloco"].parameters(), inner=adamw, sync_every=h, overlap=True,
                                      delay=args.delay, topk=args.topk, chunk=args.chunk, indices=args.indices)}
+    opts["sparseloco"].grouped = not args.per_tensor
     gen = torch.Generator().manual_seed(0)
     times = {name: [[] for _ in range(h)] for name in opts}
     for block in range(args.blocks + 2):
@@ -154,7 +164,7 @@ def main() -> None:
                 if block >= 2:
                     times[name][i].append(t)
     sl = opts["sparseloco"]              # whole rounds ran: the last sync is in flight, its own rows kept
-    extra = second_row_landing(models["sparseloco"], device, sl._flat, sl._message.payload, sl._own_sent)
+    extra = second_row_landing(models["sparseloco"], device, sl, sl._message.payload)
     report(times, h, args.delay, extra)
     if args.profile:
         profile_round(lambda ids: _train_step(models["sparseloco"], sl, ids[:, :-1], ids[:, 1:], args.bf16),

@@ -214,15 +214,17 @@ class SparseLoCo(DiLoCo):
         return self._flat
 
     def _encode(self, step: int, layout: list[Member], exchange) -> None:
-        """The local step; at a sync, then every parameter's Δ̂ into the message and e' aside:
-        e and |e| of every parameter, one top-k over them (`FlatSparseLoCo.select`), then each
-        parameter's values, e' and eager jump (each pass over it while it is in cache)."""
+        """The local step; at a sync, then every parameter's Δ̂ into the message and e' aside
+        (grouped: `sparseloco_groups.encode`)."""
         self._local_step(step, layout)
-        if exchange is None:
-            return
-        if self.grouped:
+        if exchange is not None and self.grouped:
             sparseloco_groups.encode(self, step, layout, exchange.payload)
-            return
+        elif exchange is not None:
+            self._encode_per_tensor(step, layout, exchange)
+
+    def _encode_per_tensor(self, step: int, layout: list[Member], exchange) -> None:
+        """e and |e| of every parameter, one top-k over them (`FlatSparseLoCo.select`), then each
+        parameter's values, e' and eager jump (each pass over it while it is in cache)."""
         flat, places = self._flat_for(layout), spans(m.param.numel() for m in layout)
         n, device = places[-1].stop, layout[0].param.device
         self._unsent = _reuse(self._unsent, n, device)
