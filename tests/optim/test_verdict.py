@@ -112,21 +112,31 @@ def test_a_bad_rank_keeps_what_it_would_keep_without_a_gradient(both):
         torch.testing.assert_close(m1, decay * m0, rtol=1e-6, atol=1e-7)
 
 
-def _out_of_lockstep(rank, world):
-    params = _params()
-    opt = thinwire.DeMo(params, lr=0.01, topk=8, chunk=32, nonfinite="skip")
+def _until_error(rank: int, opt, params, before_call=None) -> tuple[list, list[bool]]:
+    """Calls of opt.step() on fresh gradients until one raises (at most 5): each call's
+    outcome and whether it moved a parameter; `before_call(call)` runs before each."""
     gen, outcomes, moved = torch.Generator().manual_seed(rank), [], []
-    for step in range(5):
+    for call in range(5):
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen)
-        if step == 2 and rank == 1:
-            opt._step += 7                                   # as if resumed from another checkpoint
+        if before_call is not None:
+            before_call(call)
         before = [p.detach().clone() for p in params]
         outcomes.append(outcome_of(opt.step))
         moved.append(any(not torch.equal(p, b) for p, b in zip(params, before)))
         if outcomes[-1][0] != "ok":
             break
     return outcomes, moved
+
+
+def _out_of_lockstep(rank, world):
+    params = _params()
+    opt = thinwire.DeMo(params, lr=0.01, topk=8, chunk=32, nonfinite="skip")
+
+    def resumed_elsewhere(call):
+        if call == 2 and rank == 1:
+            opt._step += 7                                   # as if resumed from another checkpoint
+    return _until_error(rank, opt, params, resumed_elsewhere)
 
 
 def test_ranks_out_of_lockstep_raise_on_every_rank_at_the_next_call_with_nothing_applied():
@@ -149,16 +159,7 @@ def _malformed(rank, world):
                                        comp.payload_spec(SHAPES[0])).parts
             part["values"][:2].fill_(0xFF)                   # a bf16 NaN
     opt._encode = corrupt
-    gen, outcomes, moved = torch.Generator().manual_seed(rank), [], []
-    for _ in range(4):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen)
-        before = [p.detach().clone() for p in params]
-        outcomes.append(outcome_of(opt.step))
-        moved.append(any(not torch.equal(p, b) for p, b in zip(params, before)))
-        if outcomes[-1][0] != "ok":
-            break
-    return outcomes, moved
+    return _until_error(rank, opt, params)
 
 
 def test_a_malformed_payload_raises_on_every_rank_at_the_next_call_with_nothing_applied():
