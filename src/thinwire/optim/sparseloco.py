@@ -181,6 +181,7 @@ class SparseLoCo(DiLoCo):
         self._flat, self._mean = None, None          # FlatSparseLoCo of the layout; Δ̄'s scratch
         self.grouped = True                          # False: the per-tensor path, the reference (`sparseloco_groups`)
         self._arrived = None                         # (rows, their grouped read) from `_arrival`, until `_apply`
+        self._grouped = self._grouped_key = None     # GroupedSparseLoCo of the layout, and what it was built for
         super().__init__(params, inner=inner, sync_every=sync_every, outer_lr=outer_lr, outer_momentum=0.0,
                          wire="fp32", nonfinite=nonfinite, process_group=process_group, overlap=overlap,
                          delay=delay)
@@ -264,7 +265,7 @@ class SparseLoCo(DiLoCo):
 
     def _discard(self, step: int, layout: list[Member], exchange) -> None:
         """A sync made on no rank: an eager jump is undone, θ ← θ + (θ_before − θ_s)."""
-        self._own_sent = None
+        self._own_sent = self._arrived = None
         if not self._eager_jumped:
             return
         self._eager_jumped = False

@@ -54,7 +54,7 @@ def _subtract_sent(target: torch.Tensor, sent: Sent, scale: float | None = None)
 def grouped_for(opt, layout: list[Member]) -> GroupedSparseLoCo:
     """The layout's grouped compressor, rebuilt when its shapes, dtypes or device change."""
     key = tuple((tuple(m.param.shape), m.param.dtype) for m in layout), layout[0].param.device
-    if getattr(opt, "_grouped_key", None) != key:
+    if opt._grouped_key != key:
         eligible = [m.param.dtype == torch.float32 for m in layout]
         opt._grouped = GroupedSparseLoCo(opt.compressor, [m.param.shape for m in layout], key[1], eligible)
         opt._grouped_key = key
