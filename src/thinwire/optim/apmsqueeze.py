@@ -55,7 +55,8 @@ import torch
 from ..comm.collectives import padded_numel
 from ..ops import adam_denominator, adam_moments_
 from .base import CommunicatingOptimizer, Member, flatten_grads
-from .exchange import OneBitReduce, ReduceAll
+from .exchange import ReduceAll
+from .relay import OneBitReduce
 from .flat import spans, views
 
 ERRORS_KEY = "apmsqueeze"

@@ -65,7 +65,8 @@ from ..compress import EF21Compressor
 from ..compress.spec import parse_compressor
 from ..ops import add_rms_, add_sign_, add_spectral_
 from .base import CommunicatingOptimizer, Member
-from .exchange import GatherAll, ServerRelay
+from .exchange import GatherAll
+from .relay import ServerRelay
 from .flat import spans
 from .shards import is_sharded, own_rows, whole
 
