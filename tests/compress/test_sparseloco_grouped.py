@@ -46,7 +46,8 @@ def test_bytes_and_decoded_values_are_the_per_tensor_ones(name, settings):
     for seed in (0, 1):                                       # buffers reused: a second sync
         x = _x(shapes, seed)
         message, positions, values = _encode(g, x)
-        decoded = torch.zeros_like(x).index_put_((positions,), values)
+        # a value kept in a padding is +0.0 at position 0: index_add_ adds nothing for it
+        decoded = torch.zeros_like(x).index_add_(0, positions, values)
         for i in g.tensors:
             want = torch.empty(comp.payload_nbytes(g.shapes[i]), dtype=torch.uint8)
             comp.encode(_tensor(g, x, i).clone(), want)
@@ -82,9 +83,26 @@ def test_a_non_finite_level_from_a_peer_is_flagged_on_the_device():
 def test_tensors_of_one_chunk_shape_form_one_family_stacked_by_columns():
     shapes = [(64, 32), (37, 24), (96,), (48,), (16, 64), (32, 32), (32, 16)]
     g = GroupedSparseLoCo(SparseLoCoTopK(topk=32, chunk=16), shapes, "cpu")
-    assert g.alone == [1]                                        # (37, 24) pads its rows
+    assert g.alone == []
     # 16 x 16 chunks: (32, 16) one chunk wide (chunk-major is row-major: the None stack), then
-    # cols 32 (two tensors stacked), cols 64; 1 x 16 chunks: all row-major
-    assert [f.members for f in g.families] == [[6, 0, 5, 4], [2, 3]]
-    assert [[cols for cols, *_ in f.stacks] for f in g.families] == [[None, 32, 64], [None]]
-    assert g.tensors == [6, 0, 5, 4, 2, 3]
+    # cols 32 (two tensors stacked), cols 64; (37, 24) pads its rows to 48 (16 x 12 chunks): its
+    # own image; 1 x 16 chunks: all row-major
+    assert [f.members for f in g.families] == [[6, 0, 5, 4], [1], [2, 3]]
+    assert [[cols for cols, *_ in f.stacks] for f in g.families] == [[None, 32, 64], [24], [None]]
+    assert [f.padded for f in g.families] == [False, True, False]
+    assert g.tensors == [6, 0, 5, 4, 1, 2, 3]
+
+
+def test_values_kept_in_a_padding_add_nothing_where_they_land():
+    """A padded tensor's chunks past its edge hold zeros; what top-k keeps there travels (the
+    per-tensor wire format), is quantized with the rest, and lands nowhere: position 0 with
+    +0.0 from the encode (e' − 0 = e') and −0.0 from a read (a sum + (−0.0) is the sum)."""
+    shapes = [(37,), (16, 16)]                                   # (37,) pads to 48: 3 chunks of 16, 11 zeros
+    g = GroupedSparseLoCo(SparseLoCoTopK(topk=128, chunk=16), shapes, "cpu")   # k = 8 of 16: zeros are kept
+    x = _x(shapes, 0)
+    message, positions, values = _encode(g, x)
+    padding = g.padding.clone()
+    assert padding.any() and bool((positions[padding] == 0).all()) and bool((values[padding] == 0).all())
+    read_positions, read_values, _ = g.read(torch.stack([message]))
+    assert torch.equal(g.received_padding[0], padding)
+    assert bool((read_values[0][padding].view(torch.int32) == torch.tensor(-0.0).view(torch.int32)).all())

@@ -1,11 +1,14 @@
 """SparseLoCo's compressor over a whole layout in a few batched operations (`GroupedSparseLoCo`),
 the bytes of every tensor those `SparseLoCoTopK.encode` writes for it alone.
 
-A tensor joins when its top-k is on the values ('identity'), its values are '2bit' and its
-chunks pad nothing; the others (`alone`) are the caller's, tensor by tensor. The joined
-tensors are cut by chunk shape (h, w) into families (h, w fix E = h·w, k and the index
-coding), and a family by column count into stacks (tensors of one (h, w, cols) stack on
-their rows: the chunk-major order of the stack is each tensor's, one after the other).
+A tensor joins when its top-k is on the values ('identity') and its values are '2bit'; the
+others (`alone`) are the caller's, tensor by tensor. The joined tensors are cut by chunk
+shape (h, w) into families (h, w fix E = h·w, k and the index coding), and a family by
+column count into stacks (tensors of one (h, w, cols) stack on their rows: the chunk-major
+order of the stack is each tensor's, one after the other). A tensor whose chunks pad is a
+stack of its own: its zero-padded image, kept whole (only the inside is written), as
+`SparseLoCoTopK` pads it; what top-k keeps in the padding travels and is quantized as
+there, and lands nowhere (`padding`: position 0, adding ±0.0).
 Every value lives in the caller's flat float32 buffer of the layout (tensor i at `offsets[i]`),
 and the kept values of all joined tensors in one flat buffer of K values, family by family,
 a tensor's C·k values together (`segment`: each kept value's tensor). A sync is then
@@ -42,69 +45,101 @@ LEVEL_BYTES = 4 * LEVELS
 
 def joins(comp: SparseLoCoTopK, shape) -> bool:
     """Whether a tensor of `shape` can take the grouped path (module docstring)."""
-    return comp.transform.kind == "identity" and comp.codec.name == "2bit" and not comp.plan(shape).padded
+    return comp.transform.kind == "identity" and comp.codec.name == "2bit"
 
 
 class _Family:
     """Joined tensors of one chunk shape: `members` (layout indices, stack by stack), their
-    G chunks as rows, kept values [kept], their elements staged at [staged, staged + numel)."""
+    G chunks as rows, kept values [kept], the unpadded ones' elements staged at [staged, ...)."""
 
     def __init__(self, comp: SparseLoCoTopK, shapes, offsets, members: list[int], kept: int, staged: int, device):
-        stacks: dict[int | None, list[int]] = {None: []}        # cols -> members; None: chunk-major is row-major
+        plans = {i: comp.plan(shapes[i]) for i in members}
+        # stack keys: None (chunk-major is row-major), cols, or ("pad", i): a padded tensor's own image
+        stacks: dict = {None: []}
         for i in members:
-            plan = comp.plan(shapes[i])
-            stacks.setdefault(None if plan.chunk_rows == 1 or plan.grid[1] == 1 else plan.cols, []).append(i)
+            plan = plans[i]
+            key = ("pad", i) if plan.padded else None if plan.chunk_rows == 1 or plan.grid[1] == 1 else plan.cols
+            stacks.setdefault(key, []).append(i)
         self.members = [i for js in stacks.values() for i in js]
-        plans = [comp.plan(shapes[i]) for i in self.members]
-        self.h, self.w, self.k = plans[0].chunk_rows, plans[0].chunk_cols, comp.k(plans[0].shape)
-        self.coding = comp.coding(plans[0].shape)
-        self.chunks = [p.num_chunks for p in plans]
+        first = plans[self.members[0]]
+        self.h, self.w, self.k = first.chunk_rows, first.chunk_cols, comp.k(first.shape)
+        self.coding = comp.coding(first.shape)
+        self.chunks = [plans[i].num_chunks for i in self.members]
         self.rows = sum(self.chunks)
         self.kept = slice(kept, kept + self.rows * self.k)
-        self.views = [(offsets[i], plan.rows * plan.cols) for i, plan in zip(self.members, plans)]   # (start, numel)
-        self.staged = slice(staged, staged + sum(n for _, n in self.views))
-        # (cols or None, its first element in the stage, its elements, its first chunk row)
-        self.stacks, at, row = [], 0, 0
-        for cols, js in stacks.items():
-            numel, chunks = sum(_numel(shapes[i]) for i in js), sum(comp.plan(shapes[i]).num_chunks for i in js)
-            if js:
-                self.stacks.append((cols, at, numel, row))
-            at, row = at + numel, row + chunks
-        origins, cols = [], []
-        for i, plan in zip(self.members, plans):
-            (gr, gc), h, w = plan.grid, plan.chunk_rows, plan.chunk_cols
-            # chunk (a, b)'s (0, 0) in the layout: offset + a·h·cols + b·w   [gr·gc]
-            origins.append((offsets[i] + torch.arange(gr)[:, None] * (h * plan.cols) + torch.arange(gc)[None, :] * w).view(-1))
-            cols.append(torch.full((gr * gc,), plan.cols))
-        self.origin = torch.cat(origins).view(-1, 1).to(device)                # [G, 1]
-        self.skip = (torch.cat(cols).view(-1, 1) - self.w).to(device)          # cols − w  [G, 1]
+        self.views = [(offsets[i], _numel(shapes[i]), plans[i]) for i in self.members]   # (start, numel, plan)
+        unpadded = sum(n for _, n, plan in self.views if not plan.padded)
+        self.staged, self.stacks = slice(staged, staged + unpadded), []
+        at, row = 0, 0
+        for key, js in stacks.items():
+            if not js:
+                continue
+            chunks = sum(plans[i].num_chunks for i in js)
+            if isinstance(key, tuple):                  # [R', C'] zeros once: only the inside is written
+                plan = plans[key[1]]
+                image = torch.zeros(plan.padded_rows, plan.padded_cols, device=device)
+                self.stacks.append((plan.padded_cols, image, row, self.members.index(key[1])))
+            else:
+                numel = sum(_numel(shapes[i]) for i in js)
+                self.stacks.append((key, slice(at, at + numel), row, None))
+                at += numel
+            row += chunks
+        self._place(offsets, device)
         self.magnitude = torch.empty(self.rows, self.h * self.w, device=device)
         self.idx: torch.Tensor | None = None                                   # [G, k] this sync's chunk-local indices
 
-    def positions(self, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Chunk-local indices [..., G, k] -> flat positions in the layout: with u = idx // w,
-        (idx − u·w) + u·cols + origin = idx + u·(cols − w) + origin."""
-        u = torch.div(idx, self.w, rounding_mode="floor")
-        return torch.add(u.mul_(self.skip), self.origin, out=out).add_(idx)
+    def _place(self, offsets, device) -> None:
+        """Per chunk [G, 1]: its (0, 0)'s flat position in the layout (offset + a·h·cols + b·w),
+        cols − w, and (padded members) the rows and columns left inside from its (0, 0)."""
+        origins, cols, inside = [], [], []
+        for (start, _, plan) in self.views:
+            (gr, gc), h, w = plan.grid, plan.chunk_rows, plan.chunk_cols
+            a, b = torch.arange(gr)[:, None], torch.arange(gc)[None, :]
+            origins.append((start + a * (h * plan.cols) + b * w).view(-1))
+            cols.append(torch.full((gr * gc,), plan.cols))
+            inside.append(torch.stack([(plan.rows - a * h).expand(gr, gc), (plan.cols - b * w).expand(gr, gc)], -1).view(-1, 2))
+        self.origin = torch.cat(origins).view(-1, 1).to(device)                # [G, 1]
+        self.skip = (torch.cat(cols).view(-1, 1) - self.w).to(device)          # cols − w  [G, 1]
+        self.padded = any(plan.padded for _, _, plan in self.views)
+        inside = torch.cat(inside).to(device)                                  # [G, 2]
+        self.rows_in, self.cols_in = inside[:, :1].contiguous(), inside[:, 1:].contiguous()
 
-    def select(self, x: torch.Tensor, stage: torch.Tensor, out: torch.Tensor) -> None:
+    def positions(self, idx: torch.Tensor, out: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
+        """Chunk-local indices [..., G, k] -> flat positions in the layout: with u = idx // w,
+        (idx − u·w) + u·cols + origin = idx + u·(cols − w) + origin. A family with padded
+        members also marks in `padding` the indices that lie in a padding (their position: 0)."""
+        u = torch.div(idx, self.w, rounding_mode="floor")
+        if self.padded:
+            # padding: u >= rows left, or v = idx − u·w >= cols left
+            torch.ge(u, self.rows_in, out=padding)
+            padding.logical_or_(torch.sub(idx, u * self.w).ge_(self.cols_in))
+        torch.add(u.mul_(self.skip), self.origin, out=out).add_(idx)
+        return out.masked_fill_(padding, 0) if self.padded else out
+
+    def select(self, x: torch.Tensor, stage: torch.Tensor, out: torch.Tensor, padding: torch.Tensor | None) -> None:
         """|x| chunk-major for every member, one top-k, the kept positions into out [G, k]."""
         h, w = self.h, self.w
-        views = [x[start: start + n] for start, n in self.views]
-        # every member's elements, row-major, one after the other
-        image = torch.cat(views, out=stage[self.staged]) if len(views) > 1 else views[0]
+        views = [x[start: start + n] for start, n, plan in self.views if not plan.padded]
+        # the unpadded members' elements, row-major, one after the other
+        image = torch.cat(views, out=stage[self.staged]) if len(views) > 1 else views[0] if views else None
         magnitude = self.magnitude.view(-1)
-        for cols, at, numel, row in self.stacks:
-            part, rows_out = image[at: at + numel], magnitude[row * h * w: row * h * w + numel]
+        for cols, source, row, j in self.stacks:
+            if j is not None:                                                    # a padded member's image
+                start, n, plan = self.views[j]
+                source[: plan.rows, : plan.cols].copy_(x[start: start + n].view(plan.rows, plan.cols))
+                part = source.view(-1)
+            else:
+                part = image[source]
+            rows_out = magnitude[row * h * w: row * h * w + part.numel()]
             if cols is None:                                                      # chunk-major is row-major
                 torch.abs(part, out=rows_out)
                 continue
-            grid = (numel // (h * cols), cols // w)
+            grid = (part.numel() // (h * cols), cols // w)
             # [ΣR, cols] -> [ΣR/h, h, cols/w, w] -> [ΣR/h, cols/w, h, w]: chunk-major, one strided pass
             torch.abs(part.view(grid[0], h, grid[1], w).permute(0, 2, 1, 3), out=rows_out.view(grid[0], grid[1], h, w))
         idx = largest_indices(self.magnitude, self.k)
         self.idx = ascending(idx, h * w) if self.coding.sorted else idx
-        self.positions(self.idx, out)
+        self.positions(self.idx, out, padding)
 
 
 def _numel(shape) -> int:
@@ -140,6 +175,9 @@ class GroupedSparseLoCo:
         self.kept = kept
         self.segment = Segments(lengths, device)                                  # each kept value's tensor
         self.positions = torch.empty(kept, dtype=torch.int64, device=device)       # this sync's kept positions
+        # which kept values lie in a padding (families with padded members; None: none can)
+        self.padding = torch.zeros(kept, dtype=torch.bool, device=device) if any(f.padded for f in self.families) else None
+        self.received_padding: torch.Tensor | None = None                          # [W, K], the last `read`'s
         self.map = self._map(lengths)
 
     @property
@@ -167,7 +205,8 @@ class GroupedSparseLoCo:
         """Every joined tensor's top-k of |x| (x: the layout's flat float32 values; stage: a flat
         float32 scratch of x's size)."""
         for f in self.families:
-            f.select(x, stage, self.positions[f.kept].view(f.rows, f.k))
+            padding = self.padding[f.kept].view(f.rows, f.k) if f.padded else None
+            f.select(x, stage, self.positions[f.kept].view(f.rows, f.k), padding)
 
     def encode(self, x: torch.Tensor, message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """After `select`: the joined tensors' bytes into `message` (the payloads, end to end);
@@ -175,6 +214,8 @@ class GroupedSparseLoCo:
         if not self.tensors:
             return self.positions, x.new_empty(0)
         values = x.take(self.positions)                                           # [K] the kept values
+        if self.padding is not None:                                              # the padding's zeros, as the image's
+            values.masked_fill_(self.padding, 0.0)
         q, levels = quantize_segments(values, self.segment)
         self.map.raw_out(0, levels.numel() * 4).copy_(levels.view(-1).view(torch.uint8))
         s = 0
@@ -185,11 +226,16 @@ class GroupedSparseLoCo:
         self.map.streams[s].pack(q, self.map.stream_out(s))
         self.map.write(message)
         # x̂ = t_q, as the codec decodes it
-        return self.positions, levels.view(-1).take(q.add_(self.segment.level_of))
+        sent = levels.view(-1).take(q.add_(self.segment.level_of))
+        if self.padding is not None:                 # receivers crop the padding: 0 at position 0, subtracted exactly
+            sent.masked_fill_(self.padding, 0.0)
+        return self.positions, sent
 
     def read(self, messages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """Every rank's message [W, nbytes] -> (positions [W, K] in the layout, values [W, K],
-        0-dim bool flags of malformed bytes: indices past a chunk (clamped), non-finite values)."""
+        0-dim bool flags of malformed bytes: indices past a chunk (clamped), non-finite values).
+        A value in a padding is −0.0 at position 0 (x + (−0.0) = x: it adds nothing);
+        `received_padding` [W, K] marks them (None when no family has padded members)."""
         world = messages.shape[0]
         if not self.tensors:
             return self.positions.expand(world, 0), messages.new_empty(world, 0, dtype=torch.float32), []
@@ -197,6 +243,8 @@ class GroupedSparseLoCo:
         T = len(self.tensors)
         levels = got[: world * T * LEVEL_BYTES].view(torch.float32).view(world, T * LEVELS)    # [W, 4T]
         positions = torch.empty(world, self.kept, dtype=torch.int64, device=messages.device)
+        padding = self.received_padding = None if self.padding is None else torch.zeros(
+            world, self.kept, dtype=torch.bool, device=messages.device)
         s = 0
         for f in self.families:
             parts = []
@@ -206,11 +254,12 @@ class GroupedSparseLoCo:
             idx, bad = f.coding.join_flagged(parts, world * f.rows)
             flags += [bad] if bad is not None else []
             # [W·G, k] -> [W, G, k]: each rank's chunks against the family's chunk origins
-            f.positions(idx.view(world, f.rows, f.k), positions[:, f.kept].view(world, f.rows, f.k))
+            f.positions(idx.view(world, f.rows, f.k), positions[:, f.kept].view(world, f.rows, f.k),
+                        padding[:, f.kept].view(world, f.rows, f.k) if f.padded else None)
         codes = self._unpack(got, s, world).add_(self.segment.level_of)                   # [W, K]: 4 · tensor + q
         values = levels.gather(1, codes)
         flags.append(checks.nonfinite(values))
-        return positions, values, flags
+        return positions, values if padding is None else values.masked_fill_(padding, -0.0), flags
 
     def _unpack(self, got: torch.Tensor, s: int, world: int) -> torch.Tensor:
         stream, at = self.map.streams[s], self.map.stream_at[s] * world

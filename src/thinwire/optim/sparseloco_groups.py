@@ -15,7 +15,7 @@ module docstring) with a number of operations that does not grow with the parame
     e ← e';  θ₀ ← θ₀ − α Δ̄;  θ ← θ₀ (+ θ − θ_s)   `_foreach_*` ops (`PeriodicAveraging._rejoin_all`)
 
 A parameter joins when it is float32 and `sparseloco_grouped.joins` its shape ('identity' top-k,
-'2bit' values, no padded chunks); the others go tensor by tensor as on the per-tensor path
+'2bit' values; padded chunks too); the others go tensor by tensor as on the per-tensor path
 (`SparseLoCo.grouped = False` sends every parameter there: the reference, bit for bit the
 same on CPU, tests/optim/test_sparseloco_groups.py). On a GPU, a top-k over more rows may break
 ties between equal magnitudes otherwise, and `_foreach_add_` may fuse β e + Δ into one rounding.
@@ -151,8 +151,9 @@ def apply(opt, step: int, layout: list[Member], rows: torch.Tensor, arrived: tup
         mean.div_(rows.shape[0])
     else:                                                   # 'senders': each element over the ranks that sent it
         counts = opt.compressor.scratch(n, device)[:n].zero_()
+        padding = g.received_padding                        # a value in a padding counts 0 at position 0
         for r in range(rows.shape[0]):
-            counts.index_add_(0, positions[r], torch.ones_like(values[r]))
+            counts.index_add_(0, positions[r], torch.ones_like(values[r]) if padding is None else (~padding[r]).float())
         mean.div_(counts.clamp_(min=1))
     for i in g.alone:
         means[i].copy_(alone_mean(opt.compressor, g.shapes[i], g.payloads[i], rows, step, opt.aggregate).view(g.shapes[i]))
