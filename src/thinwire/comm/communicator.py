@@ -5,6 +5,9 @@ records are the bytes actually handed to torch.distributed (`tensor.nbytes`), ne
 estimate. With no initialised process group (or a world of one) every collective is a
 local identity and moves nothing.
 
+Every tensor handed to torch.distributed is recorded by `exit_guard`, so a normal exit waits
+until gloo's thread has let go of it (the exit race of issue 46; see there).
+
 Time blocked in torch.distributed can be observed, process-wide, without touching
 torch.distributed itself: `Communicator.set_blocked_observer(fn)` (see there).
 """
@@ -16,6 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import exit_guard
 from .links import link_bytes
 from .stats import CommStats
 
@@ -126,7 +130,7 @@ class Communicator:
         if not self.distributed:
             return self._finish(None, buf, async_op)
         start = _clock()
-        work = dist.all_reduce(buf, op=ops[op], group=self.group, async_op=True)
+        work = exit_guard.issue([buf], dist.all_reduce, buf, op=ops[op], group=self.group, async_op=True)
         return self._finish(work, buf, async_op, "all_reduce", start)
 
     def all_gather(self, buf: torch.Tensor, *, tag: str = "payload", out: torch.Tensor | None = None,
@@ -143,7 +147,8 @@ class Communicator:
             out[0].copy_(buf)
             return self._finish(None, out, async_op)
         start = _clock()
-        work = _all_gather_single()(out.view(-1), buf, group=self.group, async_op=True)
+        flat = out.view(-1)
+        work = exit_guard.issue([flat, buf], _all_gather_single(), flat, buf, group=self.group, async_op=True)
         return self._finish(work, out, async_op, "all_gather", start)
 
     def all_to_all(self, buf: torch.Tensor, *, tag: str = "payload", send_own: bool = True, async_op: bool = False):
@@ -165,7 +170,8 @@ class Communicator:
             out.copy_(parts)
             return self._finish(None, out, async_op)
         start = _clock()
-        work = dist.all_to_all_single(out.view(-1), buf, group=self.group, async_op=True)
+        flat = out.view(-1)
+        work = exit_guard.issue([flat, buf], dist.all_to_all_single, flat, buf, group=self.group, async_op=True)
         return self._finish(work, out, async_op, "all_to_all", start)
 
     def _all_to_all_peers(self, parts: torch.Tensor, tag: str, async_op: bool):
@@ -180,8 +186,9 @@ class Communicator:
         splits = [0 if j == r else parts.shape[1] for j in range(self.world_size)]
         arrived = torch.empty_like(others)
         start = _clock()
-        work = dist.all_to_all_single(arrived.view(-1), others.view(-1), splits, splits, group=self.group,
-                                      async_op=True)
+        received, sent = arrived.view(-1), others.view(-1)
+        work = exit_guard.issue([received, sent], dist.all_to_all_single, received, sent, splits, splits,
+                                group=self.group, async_op=True)
         return self._finish(_Assemble(work, out, arrived, r), out, async_op, "all_to_all", start)
 
     def gather(self, buf: torch.Tensor, *, dst: int = 0, tag: str = "payload", async_op: bool = False):
@@ -197,7 +204,8 @@ class Communicator:
         parts = list(out.unbind(0)) if root else None
         dst = self._global(dst)
         start = _clock()
-        work = dist.gather(buf, parts, dst=dst, group=self.group, async_op=True)
+        work = exit_guard.issue([buf, *(parts or [])], dist.gather, buf, parts, dst=dst, group=self.group,
+                                async_op=True)
         return self._finish(work, out, async_op, "gather", start)
 
     def broadcast(self, buf: torch.Tensor, *, src: int = 0, tag: str = "payload", async_op: bool = False):
@@ -210,7 +218,7 @@ class Communicator:
             return self._finish(None, buf, async_op)
         src = self._global(src)
         start = _clock()
-        work = dist.broadcast(buf, src=src, group=self.group, async_op=True)
+        work = exit_guard.issue([buf], dist.broadcast, buf, src=src, group=self.group, async_op=True)
         return self._finish(work, buf, async_op, "broadcast", start)
 
     def _check_rank(self, rank: int, name: str) -> None:
