@@ -56,8 +56,9 @@ CONFIGS: dict[str, StepConfig] = {
     "sparseloco-fused": StepConfig(lambda ps, pg: thinwire.SparseLoCo(
         ps, inner=lambda q: _adamw(q, fused=True), sync_every=SPARSELOCO_H, overlap=True, delay=SPARSELOCO_H - 1,
         process_group=pg), SPARSELOCO_H),
-    "diloco-fused": StepConfig(lambda ps, pg: thinwire.DiLoCo(ps, inner=lambda q: _adamw(q, fused=True),
-                                                              sync_every=DILOCO_H, process_group=pg), DILOCO_H),
+    "diloco-fused-skip": StepConfig(lambda ps, pg: thinwire.DiLoCo(ps, inner=lambda q: _adamw(q, fused=True),
+                                                                   sync_every=DILOCO_H, nonfinite="skip",
+                                                                   process_group=pg), DILOCO_H),
     "apmsqueeze": StepConfig(lambda ps, pg: thinwire.APMSqueeze(ps, lr=1e-4, warmup_steps=5, process_group=pg)),
     "ef21-muon": StepConfig(lambda ps, pg: thinwire.EF21Muon(ps, lr=0.02, process_group=pg)),
     "lordo": StepConfig(lambda ps, pg: thinwire.LoRDO(ps, lr=1e-4, rank=_quarter_width(ps), sync_every=LORDO_H,

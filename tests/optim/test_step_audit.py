@@ -38,16 +38,18 @@ BUILDS = {
                                                     lookahead="momentum", nonfinite="skip"),
     "diloco-fused": lambda ps: thinwire.DiLoCo(ps, inner=lambda q: torch.optim.AdamW(q, lr=1e-3, fused=True),
                                                sync_every=SYNC_EVERY),
+    "diloco-fused-skip": lambda ps: thinwire.DiLoCo(ps, inner=lambda q: torch.optim.AdamW(q, lr=1e-3, fused=True),
+                                                    sync_every=SYNC_EVERY, nonfinite="skip"),
 }
 GROUPED = ["dense-adamw", "diloco", "demo", "demo-lookahead", "dense-fused-skip", "demo-skip", "demo-lookahead-skip",
-           "diloco-fused"]
+           "diloco-fused", "diloco-fused-skip"]
 # host reads per step with nonfinite='raise': the status every rank's message carried (DeMo's arrived
 # payloads' validity read with it); DiLoCo's local update first reads this rank's finiteness
 READS = {"dense-adamw": 1, "diloco": 2, "demo": 1, "demo-lookahead": 1,
          # nonfinite='skip': none; the step is applied under the device's verdict (`thinwire.optim.verdict`)
          "dense-fused-skip": 0, "demo-skip": 0, "demo-lookahead-skip": 0,
          # a fused inner optimizer skips a bad local step on the device: only the sync reads
-         "diloco-fused": 1}
+         "diloco-fused": 1, "diloco-fused-skip": 0}
 
 
 def _audited_cycle(rank: int, world: int, name: str, blocks: int) -> list[tuple[int, int]]:

@@ -24,7 +24,7 @@ def _host_path(opt):
     """The same optimizer reading the verdict on the host and landing the step there (the
     path every algorithm has)."""
     opt._applies_masked = lambda layout: False
-    if isinstance(opt, thinwire.DiLoCo):                 # its device path is the local step's (SparseLoCo's too)
+    if isinstance(opt, thinwire.DiLoCo):                 # its device path is the local step's too
         opt._masks_nonfinite = lambda layout: False
     return opt
 
@@ -37,12 +37,16 @@ BUILDS = {
     # the bad gradient at a local step (syncs at 3 and 6), which the bad rank alone skips
     "diloco-fused": lambda ps: thinwire.DiLoCo(ps, inner=lambda q: torch.optim.AdamW(q, lr=0.01, fused=True),
                                                sync_every=3, nonfinite="skip"),
+    # the bad gradient at a sync (every 2nd step), whose landing is masked on the device
+    "diloco-sync-fused": lambda ps: thinwire.DiLoCo(ps, inner=lambda q: torch.optim.AdamW(q, lr=0.01, fused=True),
+                                                    sync_every=2, nonfinite="skip"),
     "sparseloco-fused": lambda ps: thinwire.SparseLoCo(ps, inner=lambda q: torch.optim.AdamW(q, lr=0.01, fused=True),
                                                        sync_every=3, topk=16, chunk=32, nonfinite="skip"),
 }
 
 
 LOCAL = ("diloco-fused", "sparseloco-fused")              # the bad gradient falls on a local step
+ALONE = (*LOCAL, "diloco-sync-fused")       # the healthy ranks make their local step: only the bad rank stays
 
 
 def _state(opt) -> list[torch.Tensor]:
@@ -93,10 +97,9 @@ def test_the_device_verdict_lands_every_step_as_the_host_read_does(both):
 
 def test_the_skipped_step_moves_no_parameter_and_is_reported(both):
     name, ranks = both
-    local = name in LOCAL                                # a local step: only the bad rank skips its update
     for rank, r in enumerate(ranks):
-        assert r["skipped"] == r["slow_skipped"] == ([] if local else [BAD_STEP + 1])   # steps count from 1
-        if not name.endswith("overlap") and (rank == 1 or not local):   # overlap lands it a call later
+        assert r["skipped"] == r["slow_skipped"] == ([] if name in LOCAL else [BAD_STEP + 1])   # steps count from 1
+        if not name.endswith("overlap") and (rank == 1 or name not in ALONE):   # overlap lands it a call later
             assert all(torch.equal(a, b) for a, b in zip(r["before"][0], r["after"][0]))
 
 
