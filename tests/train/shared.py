@@ -3,6 +3,8 @@ and how those files launch `thinwire compare` and `thinwire train`."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -26,21 +28,29 @@ TRAIN = ["--preset", "tiny", "--steps", "8", "--eval-every", "4", "--eval-rows",
          "--sync-every", "3", "--quiet"]
 
 
-def run_compare(out: Path, *args: str) -> dict:
-    """`thinwire compare *args --out out --quiet`: summary.json, its rows by optimizer, each
-    optimizer's log records by kind (step, eval, final) and the printed table."""
-    return compare_result(start_compare(out, *args), out, *args)
+def compare_here(out: Path, *args: str) -> dict:
+    """`thinwire compare *args --out out --quiet`, by its own main in this process, its printed
+    table captured: the workers fork from this session's server, and no interpreter, torch
+    import or server of its own starts (~9 s of CPU a launch). summary.json, its rows by
+    optimizer, each optimizer's log records by kind (step, eval, final) and the printed table."""
+    return read_compare(out, cli_here("compare", *args, "--out", str(out), "--quiet")["stdout"], *args)
 
 
-def start_compare(out: Path, *args: str) -> subprocess.Popen:
-    """run_compare's launch, started: `compare_result` waits for it and reads what it wrote."""
-    return subprocess.Popen([sys.executable, "-m", "thinwire", "compare", *args, "--out", str(out), "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def cli_here(*argv: str) -> dict:
+    """`thinwire *argv` run by its main in this process; what it printed, by stream. Where the
+    command would exit non-zero (a user error, a worker that died), an AssertionError with
+    what it printed."""
+    from thinwire.train.cli import main
+    stdout, stderr = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            main(list(argv))
+    except SystemExit as exit_:
+        raise AssertionError(f"thinwire {' '.join(argv)} exited {exit_.code}: {stderr.getvalue()[-3000:]}") from None
+    return {"stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
 
 
-def compare_result(proc: subprocess.Popen, out: Path, *args: str) -> dict:
-    stdout, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 0, stderr
+def read_compare(out: Path, stdout: str, *args: str) -> dict:
     summary = json.loads((out / "summary.json").read_text())
     logs = {}
     for name in args[args.index("--optimizers") + 1].split(","):
@@ -72,5 +82,9 @@ def wait(proc: subprocess.Popen, timeout: float = 240) -> subprocess.CompletedPr
 
 def run_train(out: Path, die: str | None = None) -> subprocess.CompletedProcess:
     """`thinwire train` of DeMo with TRAIN's flags, checkpointed every 4 steps; `die`: THINWIRE_DIE_AT."""
-    return wait(start([sys.executable, "-m", "thinwire", "train", "--optimizer", "demo", *TRAIN, "--out", str(out),
-                       "--checkpoint-every", "4"], die))
+    return wait(start([sys.executable, "-m", "thinwire", *train_argv(out)], die))
+
+
+def train_argv(out: Path, optimizer: str = "demo", *flags: str) -> list[str]:
+    """run_train's command after `thinwire` (another optimizer, more flags: later ones win)."""
+    return ["train", "--optimizer", optimizer, *TRAIN, "--out", str(out), "--checkpoint-every", "4", *flags]

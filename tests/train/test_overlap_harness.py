@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.train.shared import TINY, run_compare
+from tests.train.shared import TINY, compare_here
 from thinwire.train.cli import main
 from thinwire.train.config import get_preset
 from thinwire.train.model import build_model
@@ -176,7 +176,7 @@ def test_limits_arithmetic():
 def runs(tiny_compare, tmp_path_factory):
     """The shared run (adamw, adamw-allreduce, demo and its overlap entries among its rows) and
     DeMo alone under --overlap with the same flags."""
-    flag = run_compare(tmp_path_factory.mktemp("flag"), *TINY, "--optimizers", "demo", "--overlap", "--target", "3.6")
+    flag = compare_here(tmp_path_factory.mktemp("flag"), *TINY, "--optimizers", "demo", "--overlap", "--target", "3.6")
     return [(r["rows"], r["logs"], r["stdout"]) for r in (tiny_compare, flag)]
 
 
