@@ -96,13 +96,16 @@ class ChunkedTopK:
     def positions(self, plan: ChunkPlan, idx: torch.Tensor) -> torch.Tensor:
         """Chunk-local indices [n_chunks, k] -> flat positions in the image [R*C], int64."""
         key = (plan.shape, plan.chunk_rows, plan.chunk_cols, idx.device)
-        if key not in self._origins:   # flat position of each chunk's (0, 0): a*h*C + b*w
+        if key not in self._origins:
             (gr, gc), h, w, cols = plan.grid, plan.chunk_rows, plan.chunk_cols, plan.padded_cols
+            # flat position of each chunk's (0, 0): a*h*C + b*w, [n_chunks, 1]
             rows = torch.arange(gr, device=idx.device)[:, None] * (h * cols)
-            self._origins[key] = (rows + torch.arange(gc, device=idx.device)[None, :] * w).view(-1, 1)
-        w = plan.chunk_cols
-        u = torch.div(idx, w, rounding_mode="floor")
-        return (idx - u * w).add_(u * plan.padded_cols).add_(self._origins[key])
+            origins = (rows + torch.arange(gc, device=idx.device)[None, :] * w).view(-1, 1)
+            # a chunk-local index j's offset from its chunk's origin: (j // w)*C + j % w, [h*w]
+            j = torch.arange(h * w, device=idx.device)
+            self._origins[key] = origins, torch.div(j, w, rounding_mode="floor") * cols + j % w
+        origins, offsets = self._origins[key]
+        return torch.take(offsets, idx).add_(origins)               # two launches whatever the shape
 
     def select(self, image: torch.Tensor, shape, scratch: torch.Tensor | None = None) -> Read:
         """The k largest-magnitude coefficients of every chunk of an image [R, C]:
