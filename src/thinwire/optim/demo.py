@@ -95,7 +95,12 @@ class DeMo(CommunicatingOptimizer):
             decay folds into that GEMM). Needs transform 'dct' or 'identity'.
         nonfinite: 'raise' (default) or 'skip' when any rank's gradients are not finite; in
             both cases no parameter moves that step, on any rank, and healthy ranks keep the
-            step's gradient in their momentum (to be sent later).
+            step's gradient in their momentum (to be sent later). The bad rank takes its
+            gradients as zeros (M ← βM, as for a parameter without one; grouped parameters)
+            or leaves M as it was (the per-tensor path): the check stays on the device, read
+            once after the exchange with 'raise', and with 'skip' not at all: a skipped step
+            shows in `skipped_steps` at the next step() or flush(), and a peer out of
+            lockstep or a malformed message raises there (`thinwire.optim.verdict`).
         overlap: False (default) blocks in step() until the exchange completes; True leaves it
             in flight until the next step() (one step of staleness; `thinwire.optim.base`).
         lookahead: with overlap, where each gradient is taken. 'none' (default): at θ, one

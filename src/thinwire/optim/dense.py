@@ -39,6 +39,9 @@ class DenseAllReduce(CommunicatingOptimizer):
     as `.grad` only during their step, and the caller's gradients are left in place.
     nonfinite: 'raise' (default) or 'skip' when any rank's gradients (or their sum) are not
     finite; every rank decides on the same reduced trailer, so they raise or skip together.
+    With 'skip' around torch's fused optimizers (`AdamW(..., fused=True)`) the decision stays
+    on the device (their `found_inf`): no host read; a skipped step shows in `skipped_steps`
+    at the next step() or flush() (`thinwire.optim.verdict`).
     """
 
     def __init__(self, optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],

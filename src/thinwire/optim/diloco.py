@@ -42,7 +42,10 @@ class DiLoCo(PeriodicAveraging):
         outer_lr, outer_momentum: Nesterov outer SGD (defaults 0.7 and 0.9, as published).
         wire: 'fp32' (default) | 'bf16' | 'int8' for the pseudo-gradient, with error feedback.
         nonfinite: 'raise' (default) or 'skip' when any rank's gradients are not finite; see
-            `thinwire.optim.periodic`.
+            `thinwire.optim.periodic`. With a fused inner optimizer (`inner=lambda p:
+            torch.optim.AdamW(p, fused=True)`) a bad local step is skipped on the device
+            (`found_inf`) and no local step reads the host; with 'skip' the fp32 sync (delay 1)
+            reads nothing either (`thinwire.optim.verdict`).
         overlap: True leaves each sync's exchange in flight until the next step() (the
             delayed outer step of `thinwire.optim.periodic`).
         delay: with overlap, the steps a sync stays in flight (default 1; at most sync_every):
