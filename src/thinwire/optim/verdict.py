@@ -57,7 +57,7 @@ class PendingVerdicts:
         count the skipped ones; raise the first error."""
         while self._queue:
             step, host, event, judge = self._queue.popleft()
-            if event is not None:
+            if event is not None and not event.query():     # query: no sync when (as usual) it is done
                 event.synchronize()
             values = host.tolist()
             self._free.append(host)
