@@ -34,8 +34,9 @@ def suite_at(request):
     """suite_at(world) -> (world, [run_suite's results per rank]) for every configuration that
     runs at that world size: one spawn per world. When a test first needs one, every world this
     session's tests need starts at once, the spawned ones beside the world of one this process
-    runs (alone, that one keeps one core busy): about 41 s for worlds 1-3 against 52 s one after
-    another on 2 cores."""
+    runs (alone, that one keeps one core busy). The whole suite is paid by the first test that
+    asks: about 170 s of CPU for worlds 1-4 (world 1 ~15 s here, each rank of worlds 2 and 3
+    ~25-30 s), so about 90 s on 2 quiet cores, CPU-bound."""
     mine = [item for item in request.session.items if item.module is request.module and hasattr(item, "callspec")]
     worlds = sorted({item.callspec.params["world"] for item in mine if "world" in item.callspec.params})
 
