@@ -207,22 +207,6 @@ class TrailerWriter:
             trailer[0].copy_(flag)
 
 
-def read_trailer(trailer: torch.Tensor, step: int, world: int, payload: torch.Tensor | None = None
-                 ) -> tuple[int, torch.Tensor, bool]:
-    """The summed trailer -> (number of ranks that flagged non-finite gradients, presence
-    bool [n_params] (on the device), whether `payload` (the summed payload, if given) is all
-    finite), in one host read; PeerMismatchError when the ranks were not all at `step` (mod 16)."""
-    return read_trailer_verdict(trailer, step, world, payload)[0]
-
-
-def read_trailer_verdict(trailer: torch.Tensor, step: int, world: int, payload: torch.Tensor | None = None,
-                         extra: list[torch.Tensor] = ()) -> tuple[tuple[int, torch.Tensor, bool], list[bool]]:
-    """`read_trailer`, and the values of `extra` (0-dim bool device flags) in the same host read."""
-    values = trailer_evidence(trailer, step, payload, extra).tolist()
-    flagged, finite, extra_values = judge_trailer(values, world, step)
-    return (flagged, trailer[1 + LOCKSTEP_SLOTS:] > 0, finite), extra_values
-
-
 def trailer_evidence(trailer: torch.Tensor, step: int, payload: torch.Tensor | None = None,
                      extra: list[torch.Tensor] = ()) -> torch.Tensor:
     """What the host needs to judge a summed trailer, on the device: [3 + len(extra)] of
