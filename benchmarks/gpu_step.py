@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,8 @@ SIZES = {"gpt2-small": dict(blocks=12, width=768, vocab=50257, context=1024),
          "1.3b": dict(blocks=24, width=2048, vocab=50257, context=2048),
          "tiny": dict(blocks=2, width=64, vocab=512, context=64)}     # a quick check on CPU
 LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaLaunchCooperativeKernel")
-SYNC = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaStreamWaitEvent")
+SYNC = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")   # the host waits
+# (cudaStreamWaitEvent is not here: one stream waiting for another keeps the host free)
 COPY = ("cudaMemcpyAsync",)
 
 
@@ -144,6 +146,7 @@ def main() -> None:
             try:
                 rows[name] = run_one(name, params, pool, device, args.steps)
             except Exception as err:                    # one optimizer failing keeps the rest of the table
+                traceback.print_exc()
                 print(f"| {name} | failed: {type(err).__name__}: {str(err)[:200]} |", flush=True)
                 continue
             r = rows[name]

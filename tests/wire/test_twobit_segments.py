@@ -7,7 +7,7 @@ path) equal to the bincount ones."""
 import pytest
 import torch
 
-from thinwire.wire.twobit import Segments, _segment_bin_sums, quantize_rows, quantize_segments
+from thinwire.wire.twobit import Segments, _masked_segment_bin_sums, _segment_bin_sums, quantize_rows, quantize_segments
 
 
 def _rows(seed: int) -> list[torch.Tensor]:
@@ -43,12 +43,14 @@ def test_a_non_finite_row_gets_non_finite_levels_and_leaves_the_others_alone(bad
 
 
 def test_the_masked_bin_sums_equal_the_bincount_ones():
-    rows = _rows(3)
+    """The GPU's form (`_masked_segment_bin_sums`, run here on CPU, where a segment sums in
+    element order as bincount does) gives the same float64 sums and counts bit for bit."""
+    rows = _rows(3) + [torch.randn(1), torch.randn(700)]
     segment = Segments([r.numel() for r in rows], "cpu")
     x64 = torch.cat(rows).double()
     q = torch.randint(0, 4, x64.shape, generator=torch.Generator().manual_seed(0))
     sums, counts = _segment_bin_sums(q, x64, segment)
-    hit = q.unsqueeze(-1) == torch.arange(4)
-    masked = torch.segment_reduce(torch.where(hit, x64.unsqueeze(-1), 0.0), "sum", lengths=segment.lengths, axis=0)
-    assert torch.equal(sums, masked)
-    assert torch.equal(counts.double(), torch.segment_reduce(hit.double(), "sum", lengths=segment.lengths, axis=0))
+    masked_sums, masked_counts = _masked_segment_bin_sums(q, x64, segment)
+    assert masked_sums.shape == sums.shape == (len(rows), 4)
+    assert torch.equal(masked_sums, sums)
+    assert torch.equal(masked_counts, counts.double())

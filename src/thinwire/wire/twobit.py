@@ -103,17 +103,27 @@ class Segments:
 
 def _segment_bin_sums(q: torch.Tensor, x64: torch.Tensor, segment: Segments) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ of each row's x coded b float64, their count), [rows, L], each in element
-    order: on CPU one bincount over 4 · row + q (as `_bin_sums`); elsewhere a masked [n, L]
-    summed by segment (no atomics: the same bits on every run)."""
+    order: on CPU one bincount over 4 · row + q (as `_bin_sums`); elsewhere
+    `_masked_segment_bin_sums` (no atomics: the same bits on every run)."""
     rows = segment.rows
-    if q.device.type == "cpu":
-        bins = q + segment.level_of                                              # 4 · row + q  [n]
-        sums = torch.bincount(bins, weights=x64, minlength=rows * LEVELS).view(rows, LEVELS)
-        return sums, torch.bincount(bins, minlength=rows * LEVELS).view(rows, LEVELS)
-    hit = q.unsqueeze(-1) == torch.arange(LEVELS, device=q.device)              # [n, L]
-    sums = torch.where(hit, x64.unsqueeze(-1), 0.0)
-    sums = torch.segment_reduce(sums, "sum", lengths=segment.lengths, axis=0, unsafe=True)
-    return sums, torch.segment_reduce(hit.double(), "sum", lengths=segment.lengths, axis=0, unsafe=True)
+    if q.device.type != "cpu":
+        return _masked_segment_bin_sums(q, x64, segment)
+    bins = q + segment.level_of                                                  # 4 · row + q  [n]
+    sums = torch.bincount(bins, weights=x64, minlength=rows * LEVELS).view(rows, LEVELS)
+    return sums, torch.bincount(bins, minlength=rows * LEVELS).view(rows, LEVELS)
+
+
+def _masked_segment_bin_sums(q: torch.Tensor, x64: torch.Tensor, segment: Segments) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_segment_bin_sums` as a masked [L, n] image summed by segment, level-major so that each
+    (level, row) is one segment of a 1-D `segment_reduce`: on a GPU that is one deterministic
+    segmented reduction, where a 2-D [n, L] one runs one thread per (row, level) along the row
+    (300 ms a sync on an H200 at GPT-2 small, rows of up to 1M values)."""
+    hit = torch.arange(LEVELS, device=q.device).unsqueeze(1) == q                 # [L, n]
+    lengths = segment.lengths.repeat(LEVELS)                                     # [L · rows]: level-major
+    sums = torch.segment_reduce(torch.where(hit, x64, 0.0).view(-1), "sum", lengths=lengths, unsafe=True)
+    counts = torch.segment_reduce(hit.view(-1).double(), "sum", lengths=lengths, unsafe=True)
+    # [L · rows] -> [L, rows] -> [rows, L]
+    return sums.view(LEVELS, segment.rows).t(), counts.view(LEVELS, segment.rows).t()
 
 
 def _bin_sums(q: torch.Tensor, x64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
