@@ -20,16 +20,18 @@ SETTINGS = [{}, dict(values="int8"), dict(values="sign"), dict(values="fp32", tr
             dict(chunk=16, topk=5)]
 
 
-def _run(grouped: bool, steps: int = 6, shapes=SHAPES, **kw):
+def _run(grouped: bool, steps: int = 6, shapes=SHAPES, dtypes=(torch.float32,), **kw):
+    """`steps` steps of DeMo on `shapes`, parameter i of dtypes[i % len(dtypes)]."""
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtypes[i % len(dtypes)]))
+              for i, s in enumerate(shapes)]
     opt = thinwire.DeMo(params, **{"lr": 0.01, "topk": 8, "chunk": 64, "weight_decay": 0.1, **kw})
     opt.grouped = grouped
     grads = torch.Generator().manual_seed(1)
     messages = []
     for t in range(steps):
         for i, p in enumerate(params):
-            p.grad = None if (t == 2 and i == 1) else torch.randn(p.shape, generator=grads)
+            p.grad = None if (t == 2 and i == 1) else torch.randn(p.shape, generator=grads).to(p.dtype)
         opt.step()
         messages.append(opt._messages[(t + 1) % 2].buffer.clone())
     if kw.get("overlap"):
@@ -47,6 +49,28 @@ def test_groups_follow_the_per_tensor_path_bit_for_bit(kw):
         assert torch.equal(opt.state[p]["momentum"], ref_opt.state[q]["momentum"])
     for a, b in zip(sent, ref_sent):
         assert torch.equal(a, b)                       # the wire format is the per-tensor one
+
+
+LOW_SETTINGS = [{}, dict(values="int8"), dict(base="sgd"), dict(momentum_form="reference", base="sgd"),
+                dict(overlap=True, lookahead="momentum"), dict(nonfinite="skip")]
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16,), (torch.float16,), (torch.bfloat16, torch.float32)],
+                         ids=["bf16", "fp16", "bf16+fp32"])
+@pytest.mark.parametrize("kw", LOW_SETTINGS, ids=str)
+def test_low_precision_groups_round_where_the_per_tensor_path_rounds(kw, dtypes):
+    """bf16/fp16 parameters group too (one dtype per group), with float32 momentum, bit for bit
+    as the per-tensor path (which widens g exactly and rounds φ(Δ) to θ's dtype)."""
+    ours, opt, sent = _run(True, dtypes=dtypes, **kw)
+    ref, ref_opt, ref_sent = _run(False, dtypes=dtypes, **kw)
+    groups = opt._groups[1].groups
+    assert {g.dtype for g in groups} == set(dtypes) and not ref_opt._groups[1].groups
+    for p, q in zip(ours, ref):
+        assert p.dtype == q.dtype and torch.equal(p, q)
+        assert opt.state[p]["momentum"].dtype == torch.float32
+        assert torch.equal(opt.state[p]["momentum"], ref_opt.state[q]["momentum"])
+    for a, b in zip(sent, ref_sent):
+        assert torch.equal(a, b)
 
 
 def test_a_padded_column_shape_stays_on_the_per_tensor_path():
@@ -93,15 +117,17 @@ def test_state_is_per_parameter_views_and_a_loaded_state_resumes_in_lockstep():
         assert torch.equal(opt.state[p]["momentum"], fresh.state[q]["momentum"])
 
 
-def test_launches_do_not_grow_with_the_parameter_count():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_launches_do_not_grow_with_the_parameter_count(dtype):
     """One steady-state step of the same geometries, 3 and 12 tensors of each: the same launches."""
     counts = []
     for copies in (3, 12):
-        params = [torch.nn.Parameter(torch.randn(s)) for _ in range(copies) for s in [(64, 64), (64,), (64, 192)]]
+        params = [torch.nn.Parameter(torch.randn(s, dtype=dtype))
+                  for _ in range(copies) for s in [(64, 64), (64,), (64, 192)]]
         opt = thinwire.DeMo(params, lr=0.01, topk=8, chunk=64)
         for _ in range(3):
             for p in params:
-                p.grad = torch.randn(p.shape)
+                p.grad = torch.randn(p.shape, dtype=dtype)
             audit = StepAudit()
             with audit:
                 opt.step()

@@ -11,8 +11,20 @@ The same equations as the per-tensor path in `thinwire.optim.demo` (its module d
 
 A group is the parameters of one param group with one (h, w, padded columns) geometry that
 keep their momentum as transform coefficients (momentum_domain 'auto'/'transform' with 'dct'
-or 'identity'), are float32 and not sharded, step with base 'signum' or 'sgd', and are
-`groupable` (no padded columns; whole bytes per chunk). The others take the per-tensor path.
+or 'identity'), are float32, bfloat16 or float16 (one dtype per group) and not sharded, step
+with base 'signum' or 'sgd', and are `groupable` (no padded columns; whole bytes per chunk).
+The others take the per-tensor path.
+
+A bf16 or fp16 group keeps its momentum and Δ in float32, as the per-tensor path does, and
+rounds where that path rounds: its gradients come in through one flat buffer of their dtype
+and one exact widening copy (g is exact in float32), and φ(Δ) is rounded to the parameters'
+dtype in one copy before `_foreach_add_` (the per-tensor path's `delta.to(p.dtype)` for
+'sgd'; for 'signum' sign(Δ) ∈ {−1, 0, 1} is exact in any dtype), so every `_foreach_*` op
+sees one dtype and stays one fused launch. One exception, for the same bits: on CPU, where
+`_foreach_*` ops are loops over tensors anyway, 'signum' adds the float32 sign(Δ) (a bf16
+`add_` there rounds α = −η to bf16 before it multiplies; a GPU's works in float32, as the
+per-tensor path's float32 + bf16 `add_` does everywhere); and 1 − ηλ multiplies as a float32
+0-dim tensor (CPU's fp16 `_foreach_mul_` by a Python number rounds the number to fp16).
 Each member's `state[p]["momentum"]` is a view [R_i, C] of its group's flat momentum, so
 `state_dict` / `load_state_dict` see the per-parameter tensors they always did (a loaded one
 is copied into the group's buffer at the next step).
@@ -31,16 +43,21 @@ import torch
 from ..compress.chunk_group import ChunkGroup, geometry, groupable
 
 
+GROUP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def eligible(slot, momentum_in_transform) -> bool:
     """Whether a `demo.Slot` can join a group (module docstring)."""
     group, p, comp = slot.group, slot.param, slot.comp
     return (momentum_in_transform(group) and group["transform"] in ("dct", "identity") and p is slot.key
-            and p.dtype == torch.float32 and group["base"] in ("signum", "sgd") and groupable(comp, p.shape))
+            and p.dtype in GROUP_DTYPES and group["base"] in ("signum", "sgd") and groupable(comp, p.shape))
 
 
 class Group:
     """One group: its `ChunkGroup`, its members (indices into the slots), its flat momentum
-    [ΣR_i, C] and byte scratch, and lookahead's copy of the momentum (made on first use)."""
+    [ΣR_i, C] and byte scratch, lookahead's copy of the momentum (made on first use), and for
+    a bf16/fp16 group `low`, a flat buffer of the group's image in the parameters' dtype (the
+    gradients on their way in, φ(Δ) on its way out)."""
 
     def __init__(self, slots, members: list[int], nbytes: int):
         first = slots[members[0]]
@@ -51,7 +68,11 @@ class Group:
         self.momentum = torch.zeros(self.chunks.plan.padded_rows, self.chunks.plan.padded_cols, device=device)
         self.packed = torch.empty(self.chunks.group_nbytes, dtype=torch.uint8, device=device)
         self.ahead: torch.Tensor | None = None
-        self.zeros = torch.zeros(max(self.chunks.rows) * self.chunks.plan.padded_cols, device=device)
+        self.dtype = first.param.dtype
+        self.zeros = torch.zeros(max(self.chunks.rows) * self.chunks.plan.padded_cols, dtype=self.dtype, device=device)
+        self.low = (None if self.dtype == torch.float32 else
+                    torch.empty(self.momentum.numel(), dtype=self.dtype, device=device))
+        self.decay = torch.ones((), device=device)          # 1 − ηλ as a float32 tensor, for `low` groups
 
 
 class Groups:
@@ -62,7 +83,7 @@ class Groups:
         self.rest = []
         for i, s in enumerate(slots):
             if eligible(s, momentum_in_transform):
-                key = (id(s.group), id(s.comp), s.param.device, geometry(s.comp, s.param.shape))
+                key = (id(s.group), id(s.comp), s.param.device, s.param.dtype, geometry(s.comp, s.param.shape))
                 by_key.setdefault(key, []).append(i)
             else:
                 self.rest.append(i)
@@ -98,7 +119,10 @@ def gradients_into(g: Group, slots, x: torch.Tensor, nonfinite: torch.Tensor | N
         pieces.append(p.grad.reshape(-1))
         if rows * cols > p.numel():
             pieces.append(g.zeros[: rows * cols - p.numel()])
-    torch.cat(pieces, out=x[: g.momentum.numel()])
+    if g.low is None:
+        torch.cat(pieces, out=x[: g.momentum.numel()])
+    else:                                                    # one same-dtype cat, one exact widening copy
+        x[: g.momentum.numel()].copy_(torch.cat(pieces, out=g.low))
     if nonfinite is not None:
         x[: g.momentum.numel()].masked_fill_(nonfinite, 0.0)
 
@@ -167,15 +191,22 @@ def step_params(g: Group, slots, delta: torch.Tensor, present: list[bool] | None
         return
     if skip is not None:
         delta.masked_fill_(skip, 0.0)                       # θ − η φ(0) = θ (adds −0.0)
+    if hyper["base"] != "sgd":                               # signum: sign over the whole image at once
+        delta.sign_()
+    if g.low is not None and (hyper["base"] == "sgd" or delta.device.type != "cpu"):
+        delta = g.low.view(delta.shape).copy_(delta)         # φ(Δ) in θ's dtype (module docstring)
     crops = g.chunks.crops(delta)
     crops = [crops[j] for j in keep]
     if hyper["weight_decay"]:
         decay = 1.0 - hyper["lr"] * hyper["weight_decay"]
-        torch._foreach_mul_(params, decay if skip is None else torch.where(skip, 1.0, decay))
+        if skip is not None:
+            decay = torch.where(skip, 1.0, decay)
+        elif g.low is not None:                              # a float32 factor (module docstring)
+            decay = g.decay.fill_(decay)
+        torch._foreach_mul_(params, decay)
     if hyper["base"] == "sgd":
         alpha = 1.0 if hyper["momentum_form"] == "reference" else hyper["lr"]
         torch._foreach_add_(params, crops, alpha=-alpha)
-    else:                                                    # signum: sign over the whole image at once
-        delta.sign_()
+    else:
         torch._foreach_add_(params, crops, alpha=-hyper["lr"])
 
