@@ -46,6 +46,16 @@ def test_a_foreach_call_is_one_launch_whatever_the_tensor_count():
     assert _audit(lambda: torch._foreach_mul_(xs, 2.0)).launches == 1
 
 
+def test_a_foreach_call_over_mixed_dtypes_is_one_launch_per_tensor():
+    """torch cannot fuse lists of mixed dtypes and loops over them: so does the count."""
+    xs = [torch.randn(3, dtype=torch.bfloat16) for _ in range(50)]
+    same = [torch.randn(3, dtype=torch.bfloat16) for _ in range(50)]
+    wider = [torch.randn(3) for _ in range(50)]
+    assert _audit(lambda: torch._foreach_add_(xs, same)).launches == 1
+    assert _audit(lambda: torch._foreach_add_(xs, wider)).launches == 50
+    assert _audit(lambda: torch._foreach_copy_(xs, wider)).launches == 50
+
+
 def test_a_tensor_made_from_python_data_is_a_host_value():
     audit = _audit(lambda: torch.tensor([1, 2, 3]))
     assert audit.host_values == 1 and audit.launches == 0

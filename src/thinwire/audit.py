@@ -16,8 +16,9 @@ ones, so the counts it gives on CPU are the counts a GPU would see for the same 
 
 What counts as what (`classify`):
 - a **launch**: every operator that computes, one per call (a `_foreach_*` call is one, as
-  CUDA's multi-tensor apply launches one per ~100 tensors); views, metadata and allocations
-  (`empty*`) are not;
+  CUDA's multi-tensor apply launches one per ~100 tensors, unless its lists mix dtypes or
+  devices: then torch loops, one per tensor, `foreach_launches`); views, metadata and
+  allocations (`empty*`) are not;
 - a **host read**: an operator whose result lands on the host (a Python scalar: `item`,
   `equal`, `is_nonzero`), one whose output size depends on the data (`nonzero`,
   `masked_select`, `unique`, a boolean-mask `index`, `repeat_interleave` without an output
@@ -113,6 +114,17 @@ def classify(func, args: tuple, kwargs: dict, host: frozenset = frozenset()) -> 
     return "launch"
 
 
+def foreach_launches(name: str, args: tuple) -> int:
+    """Launches of one call: 1, except a `_foreach_*` call whose tensor lists mix dtypes or
+    devices, which CUDA's multi-tensor apply cannot take: torch runs it as a loop over the
+    tensors (one launch each), where the dispatcher still shows one call."""
+    if not name.startswith("_foreach_"):
+        return 1
+    lists = [a for a in args if isinstance(a, (list, tuple)) and a and all(torch.is_tensor(t) for t in a)]
+    kinds = {(t.dtype, t.device) for tensors in lists for t in tensors}
+    return max(len(t) for t in lists) if len(kinds) > 1 else 1
+
+
 class StepAudit(TorchDispatchMode):
     """Counts, by kind and operator, what the code run while it is entered would cost a GPU
     (module docstring). Re-entering adds to the counts; `reset()` clears them."""
@@ -147,7 +159,8 @@ class StepAudit(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self.counts[classify(func, args, kwargs, self.host)][_name(func)] += 1
+        kind, name = classify(func, args, kwargs, self.host), _name(func)
+        self.counts[kind][name] += foreach_launches(name, args) if kind == "launch" else 1
         return func(*args, **kwargs)
 
     def __enter__(self):

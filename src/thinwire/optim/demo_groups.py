@@ -20,11 +20,11 @@ rounds where that path rounds: its gradients come in through one flat buffer of 
 and one exact widening copy (g is exact in float32), and φ(Δ) is rounded to the parameters'
 dtype in one copy before `_foreach_add_` (the per-tensor path's `delta.to(p.dtype)` for
 'sgd'; for 'signum' sign(Δ) ∈ {−1, 0, 1} is exact in any dtype), so every `_foreach_*` op
-sees one dtype and stays one fused launch. One exception, for the same bits: on CPU, where
-`_foreach_*` ops are loops over tensors anyway, 'signum' adds the float32 sign(Δ) (a bf16
-`add_` there rounds α = −η to bf16 before it multiplies; a GPU's works in float32, as the
-per-tensor path's float32 + bf16 `add_` does everywhere); and 1 − ηλ multiplies as a float32
-0-dim tensor (CPU's fp16 `_foreach_mul_` by a Python number rounds the number to fp16).
+sees one dtype and stays one fused launch. The factors stay float32, as in the per-tensor
+path's float32 + bf16 ops: 1 − ηλ multiplies as a float32 0-dim tensor (CPU's fp16
+`_foreach_mul_` by a Python number rounds the number to fp16), and on CPU, whose bf16/fp16
+`add_` rounds α = −η to that dtype (a GPU's does not), sign(Δ) is added as
+addcmul(θ, sign, 1, α) (`_add_signs`).
 Each member's `state[p]["momentum"]` is a view [R_i, C] of its group's flat momentum, so
 `state_dict` / `load_state_dict` see the per-parameter tensors they always did (a loaded one
 is copied into the group's buffer at the next step).
@@ -73,6 +73,7 @@ class Group:
         self.low = (None if self.dtype == torch.float32 else
                     torch.empty(self.momentum.numel(), dtype=self.dtype, device=device))
         self.decay = torch.ones((), device=device)          # 1 − ηλ as a float32 tensor, for `low` groups
+        self.ones: torch.Tensor | None = None               # `_add_signs` on CPU
 
 
 class Groups:
@@ -193,8 +194,8 @@ def step_params(g: Group, slots, delta: torch.Tensor, present: list[bool] | None
         delta.masked_fill_(skip, 0.0)                       # θ − η φ(0) = θ (adds −0.0)
     if hyper["base"] != "sgd":                               # signum: sign over the whole image at once
         delta.sign_()
-    if g.low is not None and (hyper["base"] == "sgd" or delta.device.type != "cpu"):
-        delta = g.low.view(delta.shape).copy_(delta)         # φ(Δ) in θ's dtype (module docstring)
+    if g.low is not None:                                    # φ(Δ) in θ's dtype (module docstring)
+        delta = g.low.view(delta.shape).copy_(delta)
     crops = g.chunks.crops(delta)
     crops = [crops[j] for j in keep]
     if hyper["weight_decay"]:
@@ -208,5 +209,18 @@ def step_params(g: Group, slots, delta: torch.Tensor, present: list[bool] | None
         alpha = 1.0 if hyper["momentum_form"] == "reference" else hyper["lr"]
         torch._foreach_add_(params, crops, alpha=-alpha)
     else:
-        torch._foreach_add_(params, crops, alpha=-hyper["lr"])
+        _add_signs(g, params, crops, keep, -hyper["lr"])
+
+
+def _add_signs(g: Group, params: list[torch.Tensor], signs: list[torch.Tensor], keep: list[int], alpha: float) -> None:
+    """θ ← θ + α sign(Δ), one fused op, α taken in float32 as the per-tensor path's float32
+    sign does. CPU's bf16/fp16 `add_` rounds α to the tensors' dtype first (a GPU's does not),
+    so there a low-precision group takes the same sum as addcmul(θ, sign, 1, α)."""
+    if g.low is None or g.low.device.type != "cpu":
+        torch._foreach_add_(params, signs, alpha=alpha)
+        return
+    if g.ones is None:
+        g.ones = torch.ones_like(g.low)
+    ones = g.chunks.crops(g.ones.view(g.chunks.plan.padded_rows, -1))
+    torch._foreach_addcmul_(params, signs, [ones[j] for j in keep], value=alpha)
 
