@@ -60,6 +60,7 @@ class DenseAllReduce(CommunicatingOptimizer):
         self._sharing = False
         self._init_comm(process_group, nonfinite, overlap)
         self._message = ReduceAll(self.comm)
+        self._rounded: dict[torch.dtype, torch.Tensor] = {}     # the flat mean in a gradient dtype (`_copy_means`)
 
     def add_param_group(self, param_group: dict) -> None:
         """New parameters join the last wrapped optimizer (its defaults fill the group)."""
@@ -129,9 +130,28 @@ class DenseAllReduce(CommunicatingOptimizer):
                 grads.append(p.grad)
                 means.append(part)
         if grads:
-            torch._foreach_copy_(grads, means)      # one launch per dtype group, not one per tensor
+            self._copy_means(grads, means, delivery.data)
         for o in self.optimizers:
             o.step()
+
+    def _copy_means(self, grads: list[torch.Tensor], means: list[torch.Tensor], flat: torch.Tensor) -> None:
+        """grads ← means (views of the flat mean `flat`), one fused copy per gradient dtype:
+        torch's `_foreach_copy_` loops tensor by tensor over mixed dtypes, so the means of
+        another dtype's gradients come from one rounding copy of the whole flat mean (the same
+        round-to-nearest-even a per-tensor copy makes) into a buffer of that dtype kept for it."""
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, g in enumerate(grads):
+            by_dtype.setdefault(g.dtype, []).append(i)
+        for dtype, members in by_dtype.items():
+            sources = [means[i] for i in members]
+            if dtype != flat.dtype:
+                rounded = self._rounded.get(dtype)
+                if rounded is None or rounded.shape != flat.shape or rounded.device != flat.device:
+                    rounded = self._rounded[dtype] = torch.empty_like(flat, dtype=dtype)
+                rounded.copy_(flat)
+                base = flat.storage_offset()
+                sources = [rounded.as_strided(m.shape, m.stride(), m.storage_offset() - base) for m in sources]
+            torch._foreach_copy_([grads[i] for i in members], sources)
 
     def _apply_beside(self, layout: list[Member], delivery) -> None:
         """Overlap: the caller's gradients already belong to the next step, so the wrapped
