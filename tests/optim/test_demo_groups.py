@@ -20,10 +20,10 @@ SETTINGS = [{}, dict(values="int8"), dict(values="sign"), dict(values="fp32", tr
             dict(chunk=16, topk=5)]
 
 
-def _run(grouped: bool, steps: int = 6, shapes=SHAPES, dtypes=(torch.float32,), **kw):
+def _run(grouped: bool, steps: int = 6, shapes=SHAPES, dtypes=(torch.float32,), device="cpu", **kw):
     """`steps` steps of DeMo on `shapes`, parameter i of dtypes[i % len(dtypes)]."""
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtypes[i % len(dtypes)]))
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device, dtypes[i % len(dtypes)]))
               for i, s in enumerate(shapes)]
     opt = thinwire.DeMo(params, **{"lr": 0.01, "topk": 8, "chunk": 64, "weight_decay": 0.1, **kw})
     opt.grouped = grouped
@@ -31,7 +31,7 @@ def _run(grouped: bool, steps: int = 6, shapes=SHAPES, dtypes=(torch.float32,), 
     messages = []
     for t in range(steps):
         for i, p in enumerate(params):
-            p.grad = None if (t == 2 and i == 1) else torch.randn(p.shape, generator=grads).to(p.dtype)
+            p.grad = None if (t == 2 and i == 1) else torch.randn(p.shape, generator=grads).to(device, p.dtype)
         opt.step()
         messages.append(opt._messages[(t + 1) % 2].buffer.clone())
     if kw.get("overlap"):
@@ -51,6 +51,8 @@ def test_groups_follow_the_per_tensor_path_bit_for_bit(kw):
         assert torch.equal(a, b)                       # the wire format is the per-tensor one
 
 
+# where there is a GPU its kernels are checked too: they round otherwise than CPU's (`demo_groups._add_signs`)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 LOW_SETTINGS = [{}, dict(values="int8"), dict(base="sgd"), dict(momentum_form="reference", base="sgd"),
                 dict(overlap=True, lookahead="momentum"), dict(nonfinite="skip")]
 
@@ -58,11 +60,12 @@ LOW_SETTINGS = [{}, dict(values="int8"), dict(base="sgd"), dict(momentum_form="r
 @pytest.mark.parametrize("dtypes", [(torch.bfloat16,), (torch.float16,), (torch.bfloat16, torch.float32)],
                          ids=["bf16", "fp16", "bf16+fp32"])
 @pytest.mark.parametrize("kw", LOW_SETTINGS, ids=str)
-def test_low_precision_groups_round_where_the_per_tensor_path_rounds(kw, dtypes):
+@pytest.mark.parametrize("device", DEVICES)
+def test_low_precision_groups_round_where_the_per_tensor_path_rounds(kw, dtypes, device):
     """bf16/fp16 parameters group too (one dtype per group), with float32 momentum, bit for bit
     as the per-tensor path (which widens g exactly and rounds φ(Δ) to θ's dtype)."""
-    ours, opt, sent = _run(True, dtypes=dtypes, **kw)
-    ref, ref_opt, ref_sent = _run(False, dtypes=dtypes, **kw)
+    ours, opt, sent = _run(True, dtypes=dtypes, device=device, **kw)
+    ref, ref_opt, ref_sent = _run(False, dtypes=dtypes, device=device, **kw)
     groups = opt._groups[1].groups
     assert {g.dtype for g in groups} == set(dtypes) and not ref_opt._groups[1].groups
     for p, q in zip(ours, ref):
