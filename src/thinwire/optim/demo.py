@@ -141,7 +141,8 @@ class DeMo(CommunicatingOptimizer):
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None   # reused transform scratch
         self._ahead: dict[torch.Tensor, torch.Tensor] = {}    # lookahead='momentum': direction, per parameter
         self._ahead_step = 0                                   # the step those directions belong to
-        self._groups: tuple | None = None                      # (what decided them, `Groups`)
+        self._groups: tuple | None = None                      # (what decided them, `Groups`, the slots)
+        self._slots_kept: tuple | None = None                  # (the layout's key, its slots, the layout): `_slots`
         self.grouped = True                                    # False: every parameter on the per-tensor path
         self.arrival_status: torch.Tensor | None = None       # the last landing's malformed-payload flag (device)
         self._arrived: tuple | None = None                      # (rows, `_decode`'s answer) between check and apply
@@ -157,10 +158,20 @@ class DeMo(CommunicatingOptimizer):
         return self._compressors[key]
 
     def _slots(self, layout: list[Member]) -> list[Slot]:
+        """Each member's place in the message, kept while the layout (tensors, their shape,
+        dtype and device, their compressor) stays: a step asks several times, and each
+        member's payload size costs the host microseconds."""
+        if self._slots_kept is not None and self._slots_kept[2] is layout:     # asked again within a step
+            return self._slots_kept[1]
         comps = [self.compressor(m.group) for m in layout]
-        places = spans(comp.payload_nbytes(m.param.shape) for m, comp in zip(layout, comps))
-        return [Slot(group, p, comp, place.start, place.size, key)
-                for (group, p, key), comp, place in zip(layout, comps, places)]
+        key = tuple((id(m.key), id(m.param), id(m.group), id(comp), m.param.shape, m.param.dtype, m.param.device)
+                    for m, comp in zip(layout, comps))
+        if self._slots_kept is None or self._slots_kept[0] != key:   # the slots hold the ids' objects alive
+            places = spans(comp.payload_nbytes(m.param.shape) for m, comp in zip(layout, comps))
+            self._slots_kept = (key, [Slot(group, p, comp, place.start, place.size, k)
+                                      for (group, p, k), comp, place in zip(layout, comps, places)], layout)
+        self._slots_kept = (*self._slots_kept[:2], layout)
+        return self._slots_kept[1]
 
     def _describe(self, layout: list[Member]) -> str:
         lines = [f"demo world_size={self.comm.world_size}"]
@@ -193,11 +204,11 @@ class DeMo(CommunicatingOptimizer):
     def _grouping(self, slots: list[Slot]) -> Groups:
         """The layout's groups (`thinwire.optim.demo_groups`), rebuilt when the layout or a
         setting that decides them changes; with `grouped` False every slot is in `rest`."""
-        key = (self.grouped, tuple((id(s.key), tuple(s.param.shape), s.param.dtype, s.param.device, id(s.group),
-                                    id(s.comp), s.offset, s.group["base"], s.group["momentum_domain"]) for s in slots))
-        if self._groups is None or self._groups[0] != key:
+        # `_slots` keeps one list while the tensors, shapes, dtypes, devices and compressors stay
+        key = (self.grouped, tuple((g["base"], g["momentum_domain"]) for g in self.param_groups))
+        if self._groups is None or self._groups[0] != key or self._groups[2] is not slots:
             nbytes = slots[-1].offset + slots[-1].nbytes if slots else 0
-            self._groups = (key, Groups(slots, nbytes, momentum_in_transform if self.grouped else lambda g: False))
+            self._groups = (key, Groups(slots, nbytes, momentum_in_transform if self.grouped else lambda g: False), slots)
         return self._groups[1]
 
     def _scratch(self, slots: list[Slot]) -> tuple[torch.Tensor, torch.Tensor]:
