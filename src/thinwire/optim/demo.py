@@ -142,6 +142,7 @@ class DeMo(CommunicatingOptimizer):
         self._ahead: dict[torch.Tensor, torch.Tensor] = {}    # lookahead='momentum': direction, per parameter
         self._ahead_step = 0                                   # the step those directions belong to
         self._groups: tuple | None = None                      # (what decided them, `Groups`, the slots)
+        self._described: tuple | None = None                   # (slots, settings, `_describe`'s text)
         self._slots_kept: tuple | None = None                  # (the layout's key, its slots, the layout): `_slots`
         self.grouped = True                                    # False: every parameter on the per-tensor path
         self.arrival_status: torch.Tensor | None = None       # the last landing's malformed-payload flag (device)
@@ -174,11 +175,16 @@ class DeMo(CommunicatingOptimizer):
         return self._slots_kept[1]
 
     def _describe(self, layout: list[Member]) -> str:
-        lines = [f"demo world_size={self.comm.world_size}"]
-        for group, p, _, offset, n, _ in self._slots(layout):
-            wire = ",".join(f"{k}={group[k]}" for k in _WIRE_KEYS)
-            lines.append(f"{tuple(p.shape)} {p.dtype} {wire} @{offset}+{n}")
-        return "\n".join(lines)
+        """What every rank must share; made again only when the slots or a wire setting change."""
+        slots = self._slots(layout)
+        key = (self.comm.world_size, tuple(tuple(g.get(k) for k in _WIRE_KEYS) for g in self.param_groups))
+        if self._described is None or self._described[0] is not slots or self._described[1] != key:
+            lines = [f"demo world_size={self.comm.world_size}"]
+            for group, p, _, offset, n, _ in slots:
+                wire = ",".join(f"{k}={group[k]}" for k in _WIRE_KEYS)
+                lines.append(f"{tuple(p.shape)} {p.dtype} {wire} @{offset}+{n}")
+            self._described = (slots, key, "\n".join(lines))
+        return self._described[2]
 
     def _exchange(self, step: int, layout: list[Member]) -> GatherAll:
         slots = self._slots(layout)
