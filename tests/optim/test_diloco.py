@@ -174,3 +174,43 @@ def test_state_dict_carries_the_envelope_and_flushes():
     assert fresh.steps_done == 3 and fresh.comm_stats.as_dict() == opt.comm_stats.as_dict()
     with pytest.raises(ValueError, match="nonfinite"):
         DiLoCo([p], nonfinite="ignore")
+
+
+def _bf16_reference(params: list[torch.Tensor], grads: list[list[torch.Tensor]], sync_every: int) -> list[torch.Tensor]:
+    """DiLoCo at world 1 written per tensor from the equations, rounding where a bf16 run must:
+    Δ = θ − θ₀ in float32 (exact); b ← μb − Δ; h = Δ − μb; θ₀ ← θ₀ + η_out·round(h); θ ← θ₀."""
+    params = [p.detach().clone() for p in params]
+    anchors = [p.clone() for p in params]
+    bufs = [torch.zeros(p.shape) for p in params]
+    for step, gs in enumerate(grads, start=1):
+        for p, g in zip(params, gs):
+            p.sub_(g, alpha=0.1)                                   # the inner SGD step
+        if step % sync_every:
+            continue
+        for p, a, b in zip(params, anchors, bufs):
+            delta = p.float() - a.float()
+            b.mul_(OUTER_MOMENTUM).sub_(delta)
+            h = delta.sub(b, alpha=OUTER_MOMENTUM)
+            a.add_(h.to(a.dtype), alpha=OUTER_LR)
+            p.copy_(a)
+    return params
+
+
+def test_bf16_parameters_take_the_flat_sync_with_per_tensor_rounding():
+    """bf16 parameters beside a float32 one: Δ, the outer step and θ ← θ₀ through flat
+    buffers (`PeriodicAveraging._write_deltas`, `nesterov_outer_all_`'s flats) land bit for
+    bit where the per-tensor equations do."""
+    gen = torch.Generator().manual_seed(0)
+    shapes, dtypes = [(5, 3), (4,), (7,)], [torch.bfloat16, torch.float32, torch.bfloat16]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(d)) for s, d in zip(shapes, dtypes)]
+    grads = [[torch.randn(p.shape, generator=gen).to(p.dtype) for p in params] for _ in range(6)]
+    expected = _bf16_reference(params, grads, sync_every=2)
+    opt = DiLoCo(params, inner=lambda ps: torch.optim.SGD(ps, lr=0.1), sync_every=2, outer_lr=OUTER_LR,
+                 outer_momentum=OUTER_MOMENTUM)
+    for gs in grads:
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        opt.step()
+    assert opt._low is not None and opt._low.dtype == torch.bfloat16      # the flat path ran
+    for p, q in zip(params, expected):
+        assert p.dtype == q.dtype and torch.equal(p.detach(), q)

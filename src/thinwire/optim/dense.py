@@ -24,7 +24,7 @@ import torch
 
 from .base import CommunicatingOptimizer, Member, flatten_grads
 from .exchange import ReduceAll
-from .flat import views
+from .flat import same_place, views
 from .shards import set_grad
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
@@ -149,8 +149,7 @@ class DenseAllReduce(CommunicatingOptimizer):
                 if rounded is None or rounded.shape != flat.shape or rounded.device != flat.device:
                     rounded = self._rounded[dtype] = torch.empty_like(flat, dtype=dtype)
                 rounded.copy_(flat)
-                base = flat.storage_offset()
-                sources = [rounded.as_strided(m.shape, m.stride(), m.storage_offset() - base) for m in sources]
+                sources = [same_place(m, flat, rounded) for m in sources]
             torch._foreach_copy_([grads[i] for i in members], sources)
 
     def _apply_beside(self, layout: list[Member], delivery) -> None:

@@ -41,3 +41,10 @@ def views(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Iterator[torch
     """Each tensor's span of `flat` (sizes: their numel, in order), shaped like the tensor."""
     for t, span in zip(tensors, spans(t.numel() for t in tensors)):
         yield span.of(flat).view(t.shape)
+
+
+def same_place(view: torch.Tensor, base: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """The part of `other` (a buffer laid out like `base`) that `view` is of `base`: its shape,
+    strides and offset from base's start."""
+    return other.as_strided(view.shape, view.stride(),
+                            other.storage_offset() + view.storage_offset() - base.storage_offset())
