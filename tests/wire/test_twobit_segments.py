@@ -54,3 +54,15 @@ def test_the_masked_bin_sums_equal_the_bincount_ones():
     assert masked_sums.shape == sums.shape == (len(rows), 4)
     assert torch.equal(masked_sums, sums)
     assert torch.equal(masked_counts, counts.double())
+
+
+def test_the_levels_are_row_major_on_the_masked_path_too(monkeypatch):
+    """A GPU's bin sums (`_masked_segment_bin_sums`) are transposed views; the levels come
+    back row-major all the same (`GroupedSparseLoCo.encode` views them flat)."""
+    import thinwire.wire.twobit as twobit
+    rows = _rows(4)
+    x, segment = torch.cat(rows), Segments([r.numel() for r in rows], "cpu")
+    want = quantize_segments(x, segment)[1]
+    monkeypatch.setattr(twobit, "_segment_bin_sums", _masked_segment_bin_sums)
+    levels = quantize_segments(x, segment)[1]
+    assert levels.is_contiguous() and torch.equal(levels, want)

@@ -83,7 +83,8 @@ def quantize_segments(x: torch.Tensor, segment: "Segments") -> tuple[torch.Tenso
     # t_b = mean of the x coded b (μ for an empty level; an int64 count divides as float64);
     # + (μ − μ): NaN for a non-finite row
     levels = torch.where(counts > 0, sums / counts.clamp(min=1), mu) + (mu - mu)
-    return q, levels.float()
+    # row-major: the masked sums (a GPU's) come as transposed views, and callers view t flat
+    return q, levels.to(torch.float32, memory_format=torch.contiguous_format)
 
 
 class Segments:
