@@ -36,8 +36,9 @@ L = floor(log2(E / k)), each chunk's ascending and its values in that order;
 nothing on local steps.
 The sync computes them on the grouped layout (`thinwire.optim.sparseloco_groups`, the same
 bytes as `SparseLoCoTopK` tensor by tensor): a number of batched operations per chunk shape,
-not per parameter, and no host read of its own. `opt.grouped = False` takes the per-tensor
-path, the reference: `FlatSparseLoCo`, each parameter's Δ, e and |e|, one top-k per group,
+not per parameter, and no host read of its own, for float32, bf16 and fp16 parameters (θ and
+θ₀ rounded to their dtype where the per-tensor path rounds them). `opt.grouped = False` takes
+the per-tensor path, the reference: `FlatSparseLoCo`, each parameter's Δ, e and |e|, one top-k per group,
 each parameter's values, e' and eager jump while it is in cache, the packing and, at the
 landing, the reading batched over parameters of one chunk shape.
 Chunks are `ChunkPlan`'s (a tensor viewed as a matrix, each dimension cut into chunks of at
@@ -182,6 +183,7 @@ class SparseLoCo(DiLoCo):
         self.grouped = True                          # False: the per-tensor path, the reference (`sparseloco_groups`)
         self._arrived = None                         # (rows, their grouped read) from `_arrival`, until `_apply`
         self._grouped = self._grouped_key = None     # GroupedSparseLoCo of the layout, and what it was built for
+        self._dtypes = None                          # its tensors by dtype, narrow scratches (`sparseloco_groups.Dtypes`)
         super().__init__(params, inner=inner, sync_every=sync_every, outer_lr=outer_lr, outer_momentum=0.0,
                          wire="fp32", nonfinite=nonfinite, process_group=process_group, overlap=overlap,
                          delay=delay)

@@ -12,13 +12,35 @@ module docstring) with a number of operations that does not grow with the parame
     Δ̄ = (1/R) Σ_r Δ̂_r              one read of every rank's bytes, checked on the device and
                                     read once; one index_add_ per rank, in rank order, into a
                                     flat Δ̄; one division
-    e ← e';  θ₀ ← θ₀ − α Δ̄;  θ ← θ₀ (+ θ − θ_s)   `_foreach_*` ops (`PeriodicAveraging._rejoin_all`)
+    e ← e';  θ₀ ← θ₀ − α Δ̄;  θ ← θ₀ (+ θ − θ_s)   `_foreach_*` ops
 
-A parameter joins when it is float32 and `sparseloco_grouped.joins` its shape ('identity' top-k,
-'2bit' values; padded chunks too); the others go tensor by tensor as on the per-tensor path
-(`SparseLoCo.grouped = False` sends every parameter there: the reference, bit for bit the
-same on CPU, tests/optim/test_sparseloco_groups.py). On a GPU, a top-k over more rows may break
-ties between equal magnitudes otherwise, and `_foreach_add_` may fuse β e + Δ into one rounding.
+A parameter joins when it is float32, bfloat16 or float16 and `sparseloco_grouped.joins` its
+shape ('identity' top-k, '2bit' values; padded chunks too); the others go tensor by tensor as
+on the per-tensor path (`SparseLoCo.grouped = False` sends every parameter there: the
+reference, bit for bit the same on CPU, tests/optim/test_sparseloco_groups.py). On a GPU, a
+top-k over more rows may break ties between equal magnitudes otherwise, and `_foreach_add_`
+may fuse β e + Δ into one rounding.
+
+Narrow parameters (bf16, fp16; `Dtypes`). Δ, e, e', Δ̄ and θ_s stay float32 in the flat
+buffers, so the compressor and the landing's sums never see the dtype; θ and θ₀ are rounded
+to it where the per-tensor path rounds them, and nowhere else:
+
+    Δ = θ₀ − θ                 θ₀ and θ widened exactly, one float32 subtraction (`_difference`)
+    θ_s = θ₀ − c α Δ̂_r         c α Δ̂_r in float32, rounded to θ's dtype, then one rounding of
+                               the subtraction in it (`_subtract_sent`), θ_s widened exactly
+    θ₀ ← θ₀ − α Δ̄              α Δ̄ rounded to θ₀'s dtype, then one rounding of the subtraction
+    θ ← θ₀ + (θ − θ_s)         θ − θ_s + θ₀ in float32 (θ, θ₀ widened exactly), rounded once
+                               (`PeriodicAveraging._rejoin`)
+
+Each narrow dtype has a flat scratch of the layout's size in that dtype (`Dtypes.low`, tensor
+i at `offsets[i]` as in the float32 buffers): its tensors go in and out of it with
+`_foreach_copy_` (one dtype in every list: a `_foreach_*` over mixed dtypes is a loop over
+tensors on a GPU), and it meets a float32 buffer in one whole-buffer cast or elementwise op
+(a few launches more than float32 per sync and per landing, none per tensor, no host read).
+Such an op writes every tensor's place, so with one narrow dtype the float32 (and other)
+tensors' places are written after it (or read before it); with two (bf16 and fp16 in one
+layout) each computes in a float32 spare and one `_foreach_copy_` lands its own places.
+Other dtypes (float64) go alone, their `_foreach_*` lists a launch per tensor.
 """
 
 from __future__ import annotations
@@ -32,6 +54,9 @@ from ..compress.topk import raise_malformed
 from ..wire import checks
 from .base import Member
 from .periodic import _reuse, slots_of
+
+NARROW = (torch.bfloat16, torch.float16)
+JOINING = (torch.float32, *NARROW)
 
 
 def _subtract_sent(target: torch.Tensor, sent: Sent, scale: float | None = None) -> None:
@@ -51,30 +76,88 @@ def _subtract_sent(target: torch.Tensor, sent: Sent, scale: float | None = None)
                     .view(-1).index_put_((positions,), values).view(target.shape))
 
 
-def grouped_for(opt, layout: list[Member]) -> GroupedSparseLoCo:
-    """The layout's grouped compressor, rebuilt when its shapes, dtypes or device change."""
-    key = tuple((tuple(m.param.shape), m.param.dtype) for m in layout), layout[0].param.device
-    if opt._grouped_key != key:
-        eligible = [m.param.dtype == torch.float32 for m in layout]
-        opt._grouped = GroupedSparseLoCo(opt.compressor, [m.param.shape for m in layout], key[1], eligible)
-        opt._grouped_key = key
-    return opt._grouped
+def _pick(items: list, indices: list[int]) -> list:
+    return [items[i] for i in indices]
 
 
 def _views(flat: torch.Tensor, g: GroupedSparseLoCo, layout: list[Member]) -> list[torch.Tensor]:
     return [flat[at: at + m.param.numel()].view(m.param.shape) for at, m in zip(g.offsets, layout)]
 
 
+class Dtypes:
+    """The layout's tensors by dtype (module docstring): `wide` float32, `narrow` {bf16 / fp16:
+    its tensors}, `other` (float64...), `joined` of each (`GroupedSparseLoCo.tensors`); per
+    narrow dtype the flat scratch `low` (zeros once) and `lows` its views; `spare`, a flat
+    float32 scratch, only with two narrow dtypes."""
+
+    def __init__(self, layout: list[Member], g: GroupedSparseLoCo, n: int, device):
+        dtypes = [m.param.dtype for m in layout]
+        self.wide = [i for i, d in enumerate(dtypes) if d == torch.float32]
+        self.other = [i for i, d in enumerate(dtypes) if d not in JOINING]
+        self.narrow = {d: [i for i, e in enumerate(dtypes) if e == d] for d in NARROW if d in dtypes}
+        joined = set(g.tensors)
+        self.joined = {d: [i for i in members if i in joined]
+                       for d, members in [(torch.float32, self.wide), *self.narrow.items()]}
+        self.low = {d: torch.zeros(n, dtype=d, device=device) for d in self.narrow}
+        self.lows = {d: _views(low, g, layout) for d, low in self.low.items()}
+        self.spare = torch.empty(n, device=device) if len(self.narrow) > 1 else None
+        self.spares = None if self.spare is None else _views(self.spare, g, layout)
+
+    def work(self, dst: torch.Tensor) -> torch.Tensor:
+        """Where a narrow dtype's float32 values for `dst` are computed by whole-buffer ops:
+        dst itself (one narrow dtype: the caller writes the other places after), or the spare."""
+        return dst if self.spare is None else self.spare
+
+    def land(self, dst_views: list[torch.Tensor], members: list[int]) -> None:
+        """After `work`: the members' places of the spare into dst's (nothing with one narrow dtype)."""
+        if self.spare is not None:
+            torch._foreach_copy_(_pick(dst_views, members), _pick(self.spares, members))
+
+    def widen(self, dst: torch.Tensor, dst_views: list[torch.Tensor]) -> None:
+        """Every narrow tensor's place of dst ← its scratch's (exact), whatever the scratch holds."""
+        for d, members in self.narrow.items():
+            self.work(dst).copy_(self.low[d])
+            self.land(dst_views, members)
+
+
+def grouped_for(opt, layout: list[Member]) -> GroupedSparseLoCo:
+    """The layout's grouped compressor (and `opt._dtypes`), rebuilt when its shapes, dtypes or
+    device change."""
+    key = tuple((tuple(m.param.shape), m.param.dtype) for m in layout), layout[0].param.device
+    if opt._grouped_key != key:
+        eligible = [m.param.dtype in JOINING for m in layout]
+        g = GroupedSparseLoCo(opt.compressor, [m.param.shape for m in layout], key[1], eligible)
+        opt._dtypes = Dtypes(layout, g, g.offsets[-1] + layout[-1].param.numel(), key[1])
+        opt._grouped, opt._grouped_key = g, key
+    return opt._grouped
+
+
+def _difference(k: Dtypes, x: torch.Tensor, xs, anchors, params) -> None:
+    """x = θ₀ − θ, float32, every tensor (as `sparseloco._difference`). A narrow scratch keeps θ
+    afterwards (`_launch` and θ before the jump take it from there)."""
+    for d, members in k.narrow.items():
+        low, lows, work = k.low[d], k.lows[d], k.work(x)
+        torch._foreach_copy_(_pick(lows, members), _pick(anchors, members))
+        work.copy_(low)                                     # θ₀, widened exactly
+        torch._foreach_copy_(_pick(lows, members), _pick(params, members))
+        work.sub_(low)                                      # − θ, in float32
+        k.land(xs, members)
+    rest = k.wide + k.other                                 # after the whole-buffer ops
+    if rest:
+        torch._foreach_copy_(_pick(xs, rest), _pick(anchors, rest))
+        torch._foreach_sub_(_pick(xs, rest), _pick(params, rest))
+
+
 def encode(opt, step: int, layout: list[Member], payload: torch.Tensor) -> None:
     """The sync's message and e' aside (and with delay > 1: θ_s, the eager jump), grouped."""
     g, device = grouped_for(opt, layout), layout[0].param.device
+    k = opt._dtypes
     n = g.offsets[-1] + layout[-1].param.numel()
     opt._unsent, opt._mean = _reuse(opt._unsent, n, device), _reuse(opt._mean, n, device)
     states, params = [opt.state[m.key] for m in layout], [m.param for m in layout]
     xs, anchors = _views(opt._unsent, g, layout), [st["anchor"] for st in states]
     # Δ = θ₀ − θ   (float32, exact for bf16 θ)
-    torch._foreach_copy_(xs, anchors)
-    torch._foreach_sub_(xs, params)
+    _difference(k, opt._unsent, xs, anchors, params)
     # e = β e + Δ
     torch._foreach_add_(xs, [st["error"] for st in states], alpha=opt.error_decay)
     g.select(opt._unsent, opt._mean)                        # the Δ̄ scratch as the stage: free until landing
@@ -84,12 +167,16 @@ def encode(opt, step: int, layout: list[Member], payload: torch.Tensor) -> None:
     if opt.delay > 1:
         opt._launched = _reuse(opt._launched, n, device)
         if opt._eager_now:
+            # θ before the jump: a sync not made puts it back (narrow: from the scratch, θ since Δ)
             opt._x = _reuse(opt._x, n, device)
-            torch._foreach_copy_(_views(opt._x, g, layout), params)   # θ before the jump: a sync not made puts it back
+            before = _views(opt._x, g, layout)
+            k.widen(opt._x, before)
+            rest = k.wide + k.other
+            if rest:
+                torch._foreach_copy_(_pick(before, rest), _pick(params, rest))
+        _launch(opt, g, layout, positions, sent)            # before the tensors alone: it writes their θ_s places
     for i in g.alone:                                       # tensor by tensor (their Sent shares a scratch)
         _alone(opt, step, g, layout[i].param, anchors[i], xs[i], i, payload)
-    if opt.delay > 1:
-        _launch(opt, g, layout, positions, sent)
     opt._own_sent, opt._eager_jumped = None, opt._eager_now
 
 
@@ -107,23 +194,44 @@ def _alone(opt, step: int, g: GroupedSparseLoCo, p, anchor, x, i: int, payload) 
 
 
 def _launch(opt, g: GroupedSparseLoCo, layout: list[Member], positions, sent) -> None:
-    """θ_s of the joined tensors kept until the sync lands; with `eager`, the jump first."""
-    joined = g.tensors
-    if not joined:
+    """θ_s of the joined tensors kept until the sync lands; with `eager`, the jump first. The
+    places of the tensors alone are written over: `_alone` writes them after."""
+    if not g.tensors:
         return
-    params, launched = [layout[i].param for i in joined], _views(opt._launched, g, layout)
-    launched = [launched[i] for i in joined]
+    k, params, launched = opt._dtypes, [m.param for m in layout], _views(opt._launched, g, layout)
+    wide = k.joined[torch.float32]
     if not opt._eager_now:
-        torch._foreach_copy_(launched, params)              # θ_s = θ
+        k.widen(opt._launched, launched)                    # θ_s = θ: the narrow scratches hold θ since Δ
+        if wide:
+            torch._foreach_copy_(_pick(launched, wide), _pick(params, wide))
         return
+    anchors = [opt.state[m.key]["anchor"] for m in layout]
     scale = opt.eager_scale * opt.outer_lr
-    # θ_s = θ₀ − c α Δ̂_r in the flat θ_s, then θ ← θ_s
-    torch._foreach_copy_(launched, [opt.state[layout[i].key]["anchor"] for i in joined])
-    if scale == 1.0:                                        # a + (−1)·v: exact, as a + (−v)
-        opt._launched.index_add_(0, positions, sent, alpha=-1.0)
-    else:                                                   # the product rounded first, as per tensor
-        opt._launched.index_add_(0, positions, sent.mul(scale).neg_())
-    torch._foreach_copy_(params, launched)
+    if wide:
+        # θ_s = θ₀ − c α Δ̂_r in the flat θ_s (at every kept position: the narrow places are
+        # written after), then θ ← θ_s
+        torch._foreach_copy_(_pick(launched, wide), _pick(anchors, wide))
+        if scale == 1.0:                                    # a + (−1)·v: exact, as a + (−v)
+            opt._launched.index_add_(0, positions, sent, alpha=-1.0)
+        else:                                               # the product rounded first, as per tensor
+            opt._launched.index_add_(0, positions, sent.mul(scale).neg_())
+        torch._foreach_copy_(_pick(params, wide), _pick(launched, wide))
+    over = False
+    for d in k.narrow:
+        members = k.joined[d]
+        if not members:
+            continue
+        low, lows = k.low[d], k.lows[d]
+        # θ_s = θ₀ − c α Δ̂_r in θ's dtype: −(c α Δ̂_r) rounded to it, then θ₀ + that rounded once
+        # (as `_subtract_sent`: (−s)·v = −(s·v) and rounding is symmetric)
+        torch._foreach_copy_(_pick(lows, members), _pick(anchors, members))
+        low.index_add_(0, positions, sent.mul(-scale).to(d))
+        torch._foreach_copy_(_pick(params, members), _pick(lows, members))
+        k.work(opt._launched).copy_(low)                    # θ_s, widened exactly
+        k.land(launched, members)
+        over = over or k.spare is None
+    if wide and over:                                       # the whole-buffer cast wrote the float32 places
+        torch._foreach_copy_(_pick(launched, wide), _pick(params, wide))
 
 
 def read(opt, layout: list[Member], rows: torch.Tensor) -> tuple:
@@ -137,6 +245,7 @@ def apply(opt, step: int, layout: list[Member], rows: torch.Tensor, arrived: tup
     arrived: `read`'s answer, checked by the envelope's one host read; without it the rows are
     read and checked here (one host read), before anything moves."""
     g, device = grouped_for(opt, layout), layout[0].param.device
+    k = opt._dtypes
     if arrived is None:
         arrived = g.read(rows)
         raise_malformed(checks.any_of(arrived[2]), f" at step {step}")
@@ -158,16 +267,40 @@ def apply(opt, step: int, layout: list[Member], rows: torch.Tensor, arrived: tup
     for i in g.alone:
         means[i].copy_(alone_mean(opt.compressor, g.shapes[i], g.payloads[i], rows, step, opt.aggregate).view(g.shapes[i]))
     states = [opt.state[m.key] for m in layout]
+    anchors = [st["anchor"] for st in states]
     # e ← e'
     torch._foreach_copy_([st["error"] for st in states], _views(opt._unsent, g, layout))
     if opt.outer_lr != 1.0:                                 # × 1 is exact: skipped
         mean.mul_(opt.outer_lr)
-    # θ₀ ← θ₀ − α Δ̄
-    same = [i for i, st in enumerate(states) if st["anchor"].dtype == torch.float32]
-    if same:
-        torch._foreach_sub_([states[i]["anchor"] for i in same], [means[i] for i in same])
-    for i, st in enumerate(states):
-        if st["anchor"].dtype != torch.float32:             # rounded to its dtype first, as per tensor
-            st["anchor"].sub_(means[i].to(st["anchor"].dtype))
+    # θ₀ ← θ₀ − α Δ̄   (narrow: α Δ̄ rounded to θ₀'s dtype first, as per tensor)
+    if k.wide:
+        torch._foreach_sub_(_pick(anchors, k.wide), _pick(means, k.wide))
+    for d, members in k.narrow.items():
+        k.low[d].copy_(mean)
+        torch._foreach_sub_(_pick(anchors, members), _pick(k.lows[d], members))
+    for i in k.other:
+        anchors[i].sub_(means[i].to(anchors[i].dtype))
     # θ ← θ₀   (delay > 1: θ ← θ₀ + (θ − θ_s))
-    opt._rejoin_all(slots_of(layout))
+    _rejoin(opt, g, layout, anchors)
+
+
+def _rejoin(opt, g: GroupedSparseLoCo, layout: list[Member], anchors) -> None:
+    """`PeriodicAveraging._rejoin` of every tensor: float32 and other dtypes by `_rejoin_all`
+    first (it reads θ_s), then each narrow dtype through its scratch."""
+    k, params = opt._dtypes, [m.param for m in layout]
+    slots = slots_of(layout)
+    if k.wide or k.other:
+        opt._rejoin_all(_pick(slots, k.wide) + _pick(slots, k.other))
+    for d, members in k.narrow.items():
+        low, lows = k.low[d], k.lows[d]
+        if opt.delay == 1:                                  # θ ← θ₀
+            torch._foreach_copy_(_pick(params, members), _pick(anchors, members))
+            continue
+        # θ − θ_s + θ₀ in float32 (θ, θ₀ widened exactly), rounded once to θ's dtype
+        work = k.work(opt._launched)                        # θ_s itself with one narrow dtype: read for the last time
+        torch._foreach_copy_(_pick(lows, members), _pick(params, members))
+        torch.sub(low, opt._launched, out=work)
+        torch._foreach_copy_(_pick(lows, members), _pick(anchors, members))
+        work.add_(low)
+        low.copy_(work)
+        torch._foreach_copy_(_pick(params, members), _pick(lows, members))
