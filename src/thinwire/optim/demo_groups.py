@@ -74,6 +74,27 @@ class Group:
                     torch.empty(self.momentum.numel(), dtype=self.dtype, device=device))
         self.decay = torch.ones((), device=device)          # 1 − ηλ as a float32 tensor, for `low` groups
         self.ones: torch.Tensor | None = None               # `_add_signs` on CPU
+        self.views = self.chunks.views(self.momentum)       # each member's [R_i, C] of the momentum
+        plans = [first.comp.plan(slots[i].param.shape) for i in members]
+        self.padded = [(view, plan) for view, plan in zip(self.views, plans) if plan.padded]
+        self._crops: dict[tuple, list[torch.Tensor]] = {}
+
+    def crops(self, image: torch.Tensor) -> list[torch.Tensor]:
+        """`ChunkGroup.crops` of `image`, kept for the few buffers a step passes (scratch, `low`,
+        `ahead`): made once instead of two views per member per step. The kept views hold their
+        storage, so an address seen again is the same buffer."""
+        key = (image.data_ptr(), image.dtype, tuple(image.shape), image.stride())
+        crops = self._crops.get(key)
+        if crops is None:
+            if len(self._crops) >= 4:
+                self._crops.clear()
+            crops = self._crops[key] = self.chunks.crops(image)
+        return crops
+
+    def drop_padding(self, step: int) -> None:
+        """What landed in the padding of a padded member's image is dropped."""
+        for view, plan in self.padded:
+            self.chunks.comp.transform.zero_padding_(view, plan, step)
 
 
 class Groups:
@@ -99,7 +120,7 @@ class Groups:
         """Each member's state["momentum"] a view of its group's buffer; a tensor put there by
         load_state_dict (or the first step's zeros) is copied in first."""
         for g in self.groups:
-            for i, view in zip(g.members, g.chunks.views(g.momentum)):
+            for i, view in zip(g.members, g.views):
                 m = state[slots[i].key]["momentum"]
                 if m.data_ptr() != view.data_ptr() or m.shape != view.shape:
                     view.copy_(m)
@@ -145,10 +166,7 @@ def encode(g: Group, slots, step: int, payload: torch.Tensor, scratch, weight: f
         g.ahead.copy_(g.momentum)
     # T(M) ← T(M) − α Q̂_i: positions unique, so no two writes meet
     g.momentum.view(-1).index_add_(0, positions.view(-1), sent.view(-1), alpha=-g.hyper["alpha"])
-    for i, view in zip(g.members, g.chunks.views(g.momentum)):
-        plan_i = comp.plan(slots[i].param.shape)
-        if plan_i.padded:                                    # what lands in the padding is dropped
-            comp.transform.zero_padding_(view, plan_i, step)
+    g.drop_padding(step)
 
 
 def aggregate(g: Group, positions: torch.Tensor, values: torch.Tensor, out: torch.Tensor,
@@ -173,11 +191,7 @@ def put_back(g: Group, slots, step: int, positions: torch.Tensor, values: torch.
     # T(M) ← T(M) + α·(skip ? Q̂_i : −0)
     taken = torch.where(skip, values.reshape(-1), -0.0)
     g.momentum.view(-1).index_add_(0, positions.reshape(-1), taken, alpha=g.hyper["alpha"])
-    comp = g.chunks.comp
-    for i, view in zip(g.members, g.chunks.views(g.momentum)):
-        plan_i = comp.plan(slots[i].param.shape)
-        if plan_i.padded:                                    # what lands in the padding is dropped
-            comp.transform.zero_padding_(view, plan_i, step)
+    g.drop_padding(step)
 
 
 def step_params(g: Group, slots, delta: torch.Tensor, present: list[bool] | None = None,
@@ -196,7 +210,7 @@ def step_params(g: Group, slots, delta: torch.Tensor, present: list[bool] | None
         delta.sign_()
     if g.low is not None:                                    # φ(Δ) in θ's dtype (module docstring)
         delta = g.low.view(delta.shape).copy_(delta)
-    crops = g.chunks.crops(delta)
+    crops = g.crops(delta)
     crops = [crops[j] for j in keep]
     if hyper["weight_decay"]:
         decay = 1.0 - hyper["lr"] * hyper["weight_decay"]
@@ -221,6 +235,6 @@ def _add_signs(g: Group, params: list[torch.Tensor], signs: list[torch.Tensor], 
         return
     if g.ones is None:
         g.ones = torch.ones_like(g.low)
-    ones = g.chunks.crops(g.ones.view(g.chunks.plan.padded_rows, -1))
+    ones = g.crops(g.ones.view(g.chunks.plan.padded_rows, -1))
     torch._foreach_addcmul_(params, signs, [ones[j] for j in keep], value=alpha)
 
