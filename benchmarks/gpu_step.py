@@ -85,13 +85,26 @@ def profiled_cycle(opt, params, pool, device, first: int, period: int) -> dict:
             _take(params, pool, step)
             opt.step()
         _sync(device)
+    counts = _counted(prof)
+    idle = _idle_counts(device, activities)                 # what the profiler and the final synchronize add
+    return {k: max(0, v - idle[k]) / period for k, v in counts.items()}
+
+
+def _counted(prof) -> dict:
     counts = {"launches": 0, "syncs": 0, "copies": 0}
     for event in prof.key_averages():
         for kind, names in (("launches", LAUNCH), ("syncs", SYNC), ("copies", COPY)):
             if event.key in names:
                 counts[kind] += event.count
-    counts["syncs"] -= 1 if device.type == "cuda" else 0      # the profile's own final synchronize
-    return {k: v / period for k, v in counts.items()}
+    return counts
+
+
+def _idle_counts(device, activities) -> dict:
+    """The counts of a profile with nothing in it but the final synchronize."""
+    from torch.profiler import profile
+    with profile(activities=activities) as prof:
+        _sync(device)
+    return _counted(prof)
 
 
 def run_one(name: str, params, pool, device, steps: int) -> dict:
