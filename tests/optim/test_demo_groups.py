@@ -11,9 +11,9 @@ import thinwire
 from thinwire.audit import StepAudit
 
 # chunk 64: groups of (h, w, padded cols) (64, 64, 64), (64, 64, 192), (1, 64, 64), (1, 64, 192);
-# (100, 64) pads its rows to 128; (37, 24) and (37,) are chunks of their own; (10, 37) pads
+# (97, 64) pads its rows to 128 ((100, 64) takes chunks of 50 rows); (37, 24) and (37,) are chunks of their own; (10, 37) pads
 # its columns (chunk 16) and stays on the per-tensor path
-SHAPES = [(128, 64), (64,), (192,), (64, 192), (256, 64), (100, 64), (37, 24), (37,), (64, 64)]
+SHAPES = [(128, 64), (64,), (192,), (64, 192), (256, 64), (100, 64), (97, 64), (37, 24), (37,), (64, 64)]
 SETTINGS = [{}, dict(values="int8"), dict(values="sign"), dict(values="fp32", transform="identity"),
             dict(base="sgd"), dict(aggregate="senders"), dict(momentum_form="reference", base="sgd"),
             dict(overlap=True, lookahead="momentum"), dict(overlap=True, lookahead="message"),
@@ -136,3 +136,22 @@ def test_launches_do_not_grow_with_the_parameter_count(dtype):
                 opt.step()
         counts.append(audit.launches)
     assert counts[0] == counts[1]
+
+
+def test_a_step_not_skipped_leaves_the_momentum_exactly_as_it_was():
+    """`put_back` with skip False adds −0.0 and must not re-project the padding either: the
+    projection T(P·T⁻¹(·)) does not give back its input bit for bit (here: coefficients that
+    are not those of a zero-padded tensor, so the projection moves them)."""
+    from thinwire.optim import demo_groups
+    _, opt, _ = _run(True, steps=2, shapes=[(97, 64), (64, 64)])      # 97 rows pad to 128
+    slots = opt._slots(opt.layout())
+    g = next(g for g in opt._groups[1].groups if g.padded)
+    g.momentum.copy_(torch.randn(g.momentum.shape, generator=torch.Generator().manual_seed(3)))
+    before = g.momentum.clone()
+    positions = torch.zeros(1, 8, dtype=torch.int64)
+    values = torch.ones(1, 8)
+    demo_groups.put_back(g, slots, 3, positions, values, torch.tensor(False))
+    assert torch.equal(g.momentum, before)
+    demo_groups.put_back(g, slots, 3, positions, values, torch.tensor(True))
+    strip = slice(g.padded[0][1].padded_rows - g.padded[0][1].chunk_rows, g.padded[0][1].padded_rows)
+    assert not torch.equal(g.momentum[strip], before[strip])          # projected where it is skipped

@@ -91,10 +91,17 @@ class Group:
             crops = self._crops[key] = self.chunks.crops(image)
         return crops
 
-    def drop_padding(self, step: int) -> None:
-        """What landed in the padding of a padded member's image is dropped."""
+    def drop_padding(self, step: int, where: torch.Tensor | None = None) -> None:
+        """What landed in the padding of a padded member's image is dropped; with `where` (0-dim
+        bool on the device) only where it is set, the image left bit for bit as it was
+        elsewhere (T(P·T⁻¹(·)) is a projection, but in floating point not an exact one). A
+        group pads rows only (`groupable`), so only the last block row [h, C] changes."""
         for view, plan in self.padded:
+            strip = view[plan.padded_rows - plan.chunk_rows:]
+            kept = None if where is None else strip.clone()
             self.chunks.comp.transform.zero_padding_(view, plan, step)
+            if kept is not None:
+                torch.where(where, strip, kept, out=strip)
 
 
 class Groups:
@@ -191,7 +198,7 @@ def put_back(g: Group, slots, step: int, positions: torch.Tensor, values: torch.
     # T(M) ← T(M) + α·(skip ? Q̂_i : −0)
     taken = torch.where(skip, values.reshape(-1), -0.0)
     g.momentum.view(-1).index_add_(0, positions.reshape(-1), taken, alpha=g.hyper["alpha"])
-    g.drop_padding(step)
+    g.drop_padding(step, where=skip)
 
 
 def step_params(g: Group, slots, delta: torch.Tensor, present: list[bool] | None = None,
