@@ -193,3 +193,27 @@ def test_sparseloco_bf16_sync_launches_as_float32_does_plus_a_few(sparseloco_aud
         assert all(a <= b + 8 for (a, _), (b, _) in zip(ours, fp32)), (blocks, ours, fp32)
     two, eight = sparseloco_audited[("sparseloco-delayed-bf16", 2)], sparseloco_audited[("sparseloco-delayed-bf16", 8)]
     assert [n for n, _ in two] == [n for n, _ in eight], (two, eight)
+
+
+def test_the_finiteness_flag_of_mixed_dtypes_is_one_norm_per_dtype_and_exact():
+    """`nonfinite_flag` over bf16 and float32 gradients: a fixed number of launches however many
+    tensors (one foreach norm per dtype: torch loops over a mixed list), True for a NaN or an
+    inf in either dtype, False for finite values at the edge of bf16's range."""
+    from thinwire.optim.protocol import nonfinite_flag
+
+    def grads(n):
+        return [torch.full((3,), 3e38, dtype=torch.bfloat16) for _ in range(n)] + [torch.ones(2) for _ in range(n)]
+
+    counts = []
+    for n in (2, 8):
+        tensors, audit = grads(n), StepAudit()
+        with audit:
+            flag = nonfinite_flag(tensors)
+        counts.append(audit.launches)
+        assert not flag.item()
+    assert counts[0] == counts[1]
+    for bad in (float("nan"), float("inf")):
+        for i in (0, -1):
+            gs = grads(2)
+            gs[i][1] = bad
+            assert nonfinite_flag(gs).item()

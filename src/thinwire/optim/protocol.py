@@ -282,6 +282,11 @@ def _largest_magnitude(tensors: list[torch.Tensor]) -> torch.Tensor:
     """max over the tensors of max |x| (NaN if some element is), as a 0-dim tensor on their
     device, in a dtype that holds every value exactly (float32 for 16- and 32-bit floats,
     float64 when one is float64), so it is finite exactly when every element is: three
-    launches whatever the number of tensors (`_foreach_norm` groups them by device and dtype)."""
+    launches whatever the number of tensors, plus one per further dtype (torch's `_foreach_norm`
+    loops tensor by tensor over mixed dtypes, so they are grouped here; a max is exact in any order)."""
     wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-    return torch.stack(torch._foreach_norm(tensors, float("inf"), dtype=wide)).max()
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    norms = [n for group in by_kind.values() for n in torch._foreach_norm(group, float("inf"), dtype=wide)]
+    return torch.stack(norms).max()
