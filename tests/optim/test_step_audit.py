@@ -41,18 +41,23 @@ BUILDS = {
     "diloco-fused-skip": lambda ps: thinwire.DiLoCo(ps, inner=lambda q: torch.optim.AdamW(q, lr=1e-3, fused=True),
                                                     sync_every=SYNC_EVERY, nonfinite="skip"),
 }
+# bf16 parameters: the same builds; every flat buffer meets them through whole-buffer casts, since
+# torch's foreach ops loop tensor by tensor over mixed dtypes (the audit counts those per tensor)
+BF16 = ["dense-adamw", "demo", "diloco"]
+BUILDS.update({f"{name}-bf16": BUILDS[name] for name in BF16})
 GROUPED = ["dense-adamw", "diloco", "demo", "demo-lookahead", "dense-fused-skip", "demo-skip", "demo-lookahead-skip",
-           "diloco-fused", "diloco-fused-skip"]
+           "diloco-fused", "diloco-fused-skip"] + [f"{name}-bf16" for name in BF16]
 # host reads per step with nonfinite='raise': the status every rank's message carried (DeMo's arrived
 # payloads' validity read with it); DiLoCo's local update first reads this rank's finiteness
 READS = {"dense-adamw": 1, "diloco": 2, "demo": 1, "demo-lookahead": 1,
          # nonfinite='skip': none; the step is applied under the device's verdict (`thinwire.optim.verdict`)
          "dense-fused-skip": 0, "demo-skip": 0, "demo-lookahead-skip": 0,
          # a fused inner optimizer skips a bad local step on the device: only the sync reads
-         "diloco-fused": 1, "diloco-fused-skip": 0}
+         "diloco-fused": 1, "diloco-fused-skip": 0,
+         **{f"{name}-bf16": reads for name, reads in (("dense-adamw", 1), ("demo", 1), ("diloco", 2))}}
 
 
-DTYPES: dict[str, torch.dtype] = {}                  # builds whose parameters are not float32
+DTYPES: dict[str, torch.dtype] = {f"{name}-bf16": torch.bfloat16 for name in BF16}   # builds not in float32
 
 
 def _audited_cycle(rank: int, world: int, name: str, blocks: int) -> list[tuple[int, int]]:
@@ -98,6 +103,14 @@ def test_a_step_reads_the_host_a_fixed_few_times(audited, name):
         assert sorted(reads) == [1] * (SYNC_EVERY - 1) + [2]
     if name == "diloco-fused":
         assert sorted(reads) == [0] * (SYNC_EVERY - 1) + [1]
+
+
+@pytest.mark.parametrize("name", BF16)
+def test_bf16_parameters_cost_about_what_float32_ones_do(audited, name):
+    """A bf16 model's step: float32's launches plus a few whole-buffer casts, never per tensor."""
+    for blocks in (2, 8):
+        for (bf16, _), (fp32, _) in zip(audited[(f"{name}-bf16", blocks)], audited[(name, blocks)]):
+            assert fp32 <= bf16 <= fp32 + 12
 
 
 @pytest.mark.parametrize("name", ["dense-adamw", "diloco"])
@@ -148,7 +161,7 @@ SPARSELOCO_DTYPES = {"sparseloco-delayed-bf16": torch.bfloat16}
 
 
 def _sparseloco_audit_all(rank: int, world: int) -> dict:
-    saved = dict(BUILDS)
+    saved, saved_dtypes = dict(BUILDS), dict(DTYPES)
     BUILDS.update(SPARSELOCO_BUILDS)
     DTYPES.update(SPARSELOCO_DTYPES)
     try:
@@ -158,6 +171,7 @@ def _sparseloco_audit_all(rank: int, world: int) -> dict:
         BUILDS.clear()
         BUILDS.update(saved)
         DTYPES.clear()
+        DTYPES.update(saved_dtypes)
 
 
 @pytest.fixture(scope="module")
