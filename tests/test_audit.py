@@ -56,6 +56,16 @@ def test_a_foreach_call_over_mixed_dtypes_is_one_launch_per_tensor():
     assert _audit(lambda: torch._foreach_copy_(xs, wider)).launches == 50
 
 
+def test_a_cat_into_another_dtype_is_one_launch_per_input():
+    """CUDA's batched cat needs every input in the output's dtype; else it copies one by one."""
+    xs = [torch.randn(3, dtype=torch.bfloat16) for _ in range(20)]
+    assert _audit(lambda: torch.cat(xs)).launches == 1
+    assert _audit(lambda: torch.cat(xs, out=torch.empty(60, dtype=torch.bfloat16))).launches == 1
+    assert _audit(lambda: torch.cat(xs, out=torch.empty(60))).launches == 20
+    mixed = xs + [torch.randn(3)]
+    assert _audit(lambda: torch.cat(mixed)).launches == 21
+
+
 def test_a_tensor_made_from_python_data_is_a_host_value():
     audit = _audit(lambda: torch.tensor([1, 2, 3]))
     assert audit.host_values == 1 and audit.launches == 0

@@ -17,8 +17,8 @@ ones, so the counts it gives on CPU are the counts a GPU would see for the same 
 What counts as what (`classify`):
 - a **launch**: every operator that computes, one per call (a `_foreach_*` call is one, as
   CUDA's multi-tensor apply launches one per ~100 tensors, unless its lists mix dtypes or
-  devices: then torch loops, one per tensor, `foreach_launches`); views, metadata and
-  allocations (`empty*`) are not;
+  devices; a `cat` is one unless its inputs and output mix dtypes: then torch loops, one
+  per tensor, `foreach_launches`); views, metadata and allocations (`empty*`) are not;
 - a **host read**: an operator whose result lands on the host (a Python scalar: `item`,
   `equal`, `is_nonzero`), one whose output size depends on the data (`nonzero`,
   `masked_select`, `unique`, a boolean-mask `index`, `repeat_interleave` without an output
@@ -114,10 +114,15 @@ def classify(func, args: tuple, kwargs: dict, host: frozenset = frozenset()) -> 
     return "launch"
 
 
-def foreach_launches(name: str, args: tuple) -> int:
+def foreach_launches(name: str, args: tuple, kwargs: dict | None = None) -> int:
     """Launches of one call: 1, except a `_foreach_*` call whose tensor lists mix dtypes or
-    devices, which CUDA's multi-tensor apply cannot take: torch runs it as a loop over the
-    tensors (one launch each), where the dispatcher still shows one call."""
+    devices, which CUDA's multi-tensor apply cannot take, and a `cat` whose inputs are not
+    all of its output's dtype, which CUDA's batched copy cannot take: torch runs them as a
+    loop over the tensors (one launch each), where the dispatcher still shows one call."""
+    if name == "cat":
+        inputs, out = args[0], (kwargs or {}).get("out")
+        dtypes = {t.dtype for t in inputs} | ({out.dtype} if out is not None else set())
+        return len(inputs) if len(dtypes) > 1 else 1
     if not name.startswith("_foreach_"):
         return 1
     lists = [a for a in args if isinstance(a, (list, tuple)) and a and all(torch.is_tensor(t) for t in a)]
@@ -160,7 +165,7 @@ class StepAudit(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         kind, name = classify(func, args, kwargs, self.host), _name(func)
-        self.counts[kind][name] += foreach_launches(name, args) if kind == "launch" else 1
+        self.counts[kind][name] += foreach_launches(name, args, kwargs) if kind == "launch" else 1
         return func(*args, **kwargs)
 
     def __enter__(self):

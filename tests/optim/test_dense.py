@@ -16,7 +16,8 @@ def _one_sgd_step(rank, world):
         p.grad = torch.full((5,), float(rank + 1))
         opt.step()
         out[grad_dtype] = p.detach().clone(), opt.comm_stats.by_tag["payload"].as_dict()
-    out["bf16 params"] = _bf16_params_step(rank)
+    out["bf16 params"] = _bf16_params_step(rank, [torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16])
+    out["bf16 params"] += _bf16_params_step(rank, [torch.bfloat16] * 4)      # one dtype: one cat, one widening copy
     return out
 
 
@@ -27,10 +28,10 @@ def _rank_grad(rank: int, shape, dtype) -> torch.Tensor:
     return (1 + (rank + 1) / 128 + at / 1024).to(dtype)
 
 
-def _bf16_params_step(rank: int) -> list[torch.Tensor]:
-    """bf16 parameters of several shapes beside a float32 one, float32 on the wire: each
-    gradient the float32 mean rounded once to its dtype (θ = 0 − 1 · mean)."""
-    shapes, dtypes = [(3, 4), (7,), (2, 5), (6,)], [torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16]
+def _bf16_params_step(rank: int, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    """Parameters of several shapes in `dtypes`, float32 on the wire: each gradient the
+    float32 mean rounded once to its dtype (θ = 0 − 1 · mean)."""
+    shapes = [(3, 4), (7,), (2, 5), (6,)]
     params = [torch.nn.Parameter(torch.zeros(s, dtype=d)) for s, d in zip(shapes, dtypes)]
     opt = thinwire.DenseAllReduce(torch.optim.SGD(params, lr=1.0))
     for _ in range(2):                                     # the second step reuses the rounding buffer

@@ -78,12 +78,19 @@ class Member(NamedTuple):
 
 
 
-def flatten_grads(params, buffer: torch.Tensor) -> torch.Tensor:
+def flatten_grads(params, buffer: torch.Tensor, narrow=None) -> torch.Tensor:
     """Every parameter's gradient (zeros where it is None), in order, into the flat `buffer`:
-    one `cat` when every parameter has one, else tensor by tensor."""
+    one `cat` when every parameter has one, else tensor by tensor. Gradients of one other
+    dtype than the buffer's (bf16 training), given `narrow(dtype)` (a flat buffer of that
+    dtype, buffer's size), take one same-dtype `cat` and one exact widening copy: CUDA's cat
+    copies input by input when they are not all in its output's dtype."""
     grads = [p.grad for p in params]
     if all(g is not None for g in grads):
-        torch.cat([g.reshape(-1) for g in grads], out=buffer[:sum(g.numel() for g in grads)])   # [sum numel]
+        n, dtypes = sum(g.numel() for g in grads), {g.dtype for g in grads}
+        if narrow is not None and dtypes != {buffer.dtype} and len(dtypes) == 1:
+            buffer[:n].copy_(torch.cat([g.reshape(-1) for g in grads], out=narrow(dtypes.pop())[:n]))
+            return buffer
+        torch.cat([g.reshape(-1) for g in grads], out=buffer[:n])   # [sum numel]
         return buffer
     offset = 0
     for p in params:

@@ -114,7 +114,7 @@ class DenseAllReduce(CommunicatingOptimizer):
                 del o.found_inf
 
     def _encode(self, step: int, layout: list[Member], exchange: ReduceAll) -> None:
-        flatten_grads([m.param for m in layout], exchange.payload)
+        flatten_grads([m.param for m in layout], exchange.payload, lambda dtype: self._narrow(exchange.payload, dtype))
 
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         """Every parameter with a gradient somewhere gets the mean; then the wrapped steps."""
@@ -134,6 +134,14 @@ class DenseAllReduce(CommunicatingOptimizer):
         for o in self.optimizers:
             o.step()
 
+    def _narrow(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer shaped like `flat` in `dtype`, kept across steps: gradients of that dtype go
+        in through it (`flatten_grads`) and their means come out through it (`_copy_means`)."""
+        buf = self._rounded.get(dtype)
+        if buf is None or buf.shape != flat.shape or buf.device != flat.device:
+            buf = self._rounded[dtype] = torch.empty_like(flat, dtype=dtype)
+        return buf
+
     def _copy_means(self, grads: list[torch.Tensor], means: list[torch.Tensor], flat: torch.Tensor) -> None:
         """grads ← means (views of the flat mean `flat`), one fused copy per gradient dtype:
         torch's `_foreach_copy_` loops tensor by tensor over mixed dtypes, so the means of
@@ -145,10 +153,7 @@ class DenseAllReduce(CommunicatingOptimizer):
         for dtype, members in by_dtype.items():
             sources = [means[i] for i in members]
             if dtype != flat.dtype:
-                rounded = self._rounded.get(dtype)
-                if rounded is None or rounded.shape != flat.shape or rounded.device != flat.device:
-                    rounded = self._rounded[dtype] = torch.empty_like(flat, dtype=dtype)
-                rounded.copy_(flat)
+                rounded = self._narrow(flat, dtype).copy_(flat)
                 sources = [same_place(m, flat, rounded) for m in sources]
             torch._foreach_copy_([grads[i] for i in members], sources)
 
