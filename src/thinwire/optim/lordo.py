@@ -36,7 +36,23 @@ Two tiers (FSDP2 shards, `process_group` = the group across sites): E, θ₀ and
 on this rank's rows; the clip's ‖G‖_F, mean(D) and the SVD refresh use the whole matrix
 (gathered or summed over the site); Q is whole on every rank; right side: ĝ and u, v are
 row-sharded with no communication; left side: ĝ = Σ_shards Q_sᵀ X_s is summed over the site
-and u, v hold this rank's share of its r rows (`low_rank_step_`).
+and u, v hold this rank's share of its r rows (`thinwire.optim.lordo_tensor.low_rank_step_`).
+
+What a step costs a GPU (issue 47; docs/design.md, "What a step costs a GPU"): the parameters
+of one param group, shape and dtype form a stack (`thinwire.optim.lordo_groups`) and each line
+above runs once per stack (one stack of the gradients, batched norms, `bmm`, `_foreach_*` on
+the parameters), so a local step launches as many kernels at 100 tensors as at 28; nothing in
+it is read on the host (the clip's scale and mean(D) stay on the device): what is left is the
+envelope's one check of this rank's gradients. A sync refreshes each stack's bases with one
+batched SVD (on a GPU its own synchronisation, once per stack instead of once per matrix).
+`thinwire.audit.StepAudit` at world 2 (GPT-2 shapes of width 16 at 2 / 8 blocks, rank 4, K 4,
+tests/optim/test_lordo_audit.py): a local step made 364 / 1,276 launches and 12 / 36 host
+reads, now 138 and 1 at both; the sync step 441 / 1,521 and 13 / 37, now 183 and 2 (the
+envelope's check and its read of the delivery). Same equations; the batched norms, means,
+GEMMs and SVDs may sum in another order than one matrix at a time (float rounding), the clip
+divides by max(1, ‖G‖_F / ρ) rather than multiply by min(1, ρ / ‖G‖_F), and the full-rank term
+adds Ĝ · (−η (1−ω) / mean(D)) (the same numbers up to rounding). tests/optim/test_lordo.py
+holds both paths to an independent per-matrix simulation of the equations.
 
 Not dense Adam even at rank = min(p, q), ω = 1, no clipping, K = 1: each rank runs Adam on
 its own gradient with its own moments and the parameters are then averaged, so the update
@@ -48,15 +64,16 @@ Between syncs replicas differ by design; right after every sync they are bit-ide
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
 
-from ..ops import adam_denominator, adam_moments_, lowrank
+from ..ops import lowrank
 from .base import Member
+from .lordo_groups import Stacks, refresh_stack_, signature, step_stack_
+from .lordo_tensor import refresh_basis_, step_each_, whole_shape
 from .periodic import PeriodicAveraging, Slot
-from .shards import is_sharded, own_rows, row_range, site_rank, site_size, site_sum_, whole
+from .shards import row_range, site_rank, site_size
 
 
 def _check_group(g: dict) -> None:
@@ -81,114 +98,6 @@ def _check_group(g: dict) -> None:
         raise ValueError(f"low_rank must be None (auto: matrices), True or False, got {g['low_rank']!r}")
 
 
-def clipped(grad: torch.Tensor, rho: float | None, norm: float) -> torch.Tensor:
-    """Ĝ = G · min(1, ρ / ‖G‖_F), in float32 (ρ None: G, not clipped). Never written to.
-    `norm` is ‖G‖_F of the whole gradient (`whole_norms`), of which `grad` may be a shard."""
-    g = grad.float()
-    if rho is None:
-        return g
-    return g * min(1.0, rho / max(norm, 1e-300))
-
-
-def whole_norms(layout: list[Member]) -> list[float | None]:
-    """‖G‖_F of each clipped parameter's whole gradient (None where it has no gradient or no
-    clip). A shard's squares are summed over its site, every shard of a site in one
-    all-reduce; the floats reach the host in one transfer."""
-    clip = [m.param.grad is not None and m.group["clip"] is not None for m in layout]
-    values = [(m.param.grad.float().square().sum() if is_sharded(m.key) else m.param.grad.float().norm())
-              for m, c in zip(layout, clip) if c]
-    if not values:
-        return [None] * len(layout)
-    values = torch.stack(values)                       # [clipped parameters]
-    kept = [m for m, c in zip(layout, clip) if c]
-    by_site: dict = {}                                 # site group -> rows of its shards
-    for i, m in enumerate(kept):
-        if is_sharded(m.key):
-            by_site.setdefault(m.key.device_mesh.get_group(), []).append(i)
-    for rows in by_site.values():                      # the same rows on every rank of the site
-        index = torch.tensor(rows, device=values.device)
-        values[index] = site_sum_(kept[rows[0]].key, values[index]).sqrt()
-    norms = iter(values.tolist())
-    return [next(norms) if c else None for c in clip]
-
-
-def whole_mean(key: torch.Tensor, d: torch.Tensor, numel: int) -> float:
-    """mean of the whole tensor (numel elements) whose site-split part d is."""
-    if not is_sharded(key):
-        return float(d.mean())
-    return float(site_sum_(key, d.sum())) / numel
-
-
-def full_rank_step_(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, t: int) -> None:
-    """AdamW's step on Ĝ (vectors, scalars, low_rank=False); weight decay already applied."""
-    (beta1, beta2), lr = group["betas"], group["lr"]
-    u, v = state["exp_avg"], state["exp_avg_sq"]
-    # u ← β₁ u + (1 − β₁) Ĝ,  v ← β₂ v + (1 − β₂) Ĝ²
-    adam_moments_(u, v, g, beta1, beta2)
-    # D = √(v / (1 − β₂ᵗ)) + ε
-    d = adam_denominator(v, 1.0 - beta2 ** t, group["eps"])
-    # θ ← θ − η u / ((1 − β₁ᵗ) D)
-    p.addcdiv_(u.to(p.dtype), d.to(p.dtype), value=-lr / (1.0 - beta1 ** t))
-
-
-def whole_shape(key: torch.Tensor) -> tuple[int, int]:
-    """The parameter as a matrix: p × rest (conv weights o × i·kh·kw), whole, not its shard."""
-    return key.shape[0], math.prod(key.shape[1:])
-
-
-def low_rank_step_(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, t: int, key: torch.Tensor) -> None:
-    """The low-rank step of the module docstring on Ĝ (as p × rest); weight decay already applied.
-
-    Under FSDP2 p and g are this rank's rows of the parameter `key`; E is row-sharded like
-    them and Q is whole on every rank. Right side: ĝ = X Q has our rows only, so u, v are
-    row-sharded and nothing is communicated. Left side: ĝ = Qᵀ X = Σ_shards Q_sᵀ X_s is
-    summed over the site (r × q), and u, v hold our share of its r rows; u / D is gathered
-    back (r × q) to lift our rows of Q (u / D). mean(D) is the whole D's."""
-    (beta1, beta2), lr, omega = group["betas"], group["lr"], group["omega"]
-    matrix, q, error = g.reshape(p.shape[0], -1), state["Q"], state.get("error")
-    where = lowrank.side(whole_shape(key))
-    q_rows = own_rows(key, q) if where == lowrank.LEFT else q      # Q_s: our rows of a p × r basis
-    # X = Ĝ + E                                       (error_feedback=False: X = Ĝ)
-    fed = matrix if error is None else matrix + error
-    # ĝ = P(X)                                        (left, sharded: Σ over the site of Q_sᵀ X_s)
-    low = lowrank.project(fed, q_rows, where)
-    if where == lowrank.LEFT:
-        site_sum_(key, low)
-    if error is not None:
-        # E ← X − P*(ĝ)
-        torch.sub(fed, lowrank.lift(low, q_rows, where), out=error)
-    mine = own_rows(key, low) if where == lowrank.LEFT else low    # our share of ĝ's r rows (left)
-    u, v = state["exp_avg"], state["exp_avg_sq"]
-    # u ← β₁ u + (1 − β₁) ĝ,  v ← β₂ v + (1 − β₂) ĝ²     low-rank
-    adam_moments_(u, v, mine, beta1, beta2)
-    # D = √(v / (1 − β₂ᵗ)) + ε                        low-rank, like u and v
-    d = adam_denominator(v, 1.0 - beta2 ** t, group["eps"])
-    if omega > 0.0:
-        # θ ← θ − η ω P*(u / ((1 − β₁ᵗ) D))
-        scaled = u / d if where == lowrank.RIGHT else whole(key, u / d, rows=low.shape[0])
-        p.add_(lowrank.lift(scaled, q_rows, where).view(p.shape).to(p.dtype), alpha=-lr * omega / (1.0 - beta1 ** t))
-    if omega < 1.0:
-        # θ ← θ − η (1 − ω) Ĝ / mean(D)
-        numel = low.shape[1] * (whole_shape(key)[0] if where == lowrank.RIGHT else low.shape[0])
-        p.add_(g.to(p.dtype), alpha=-lr * (1.0 - omega) / whole_mean(key, d, numel))
-
-
-def refresh_basis_(state: dict, mean_delta: torch.Tensor, key: torch.Tensor) -> None:
-    """Q_new = top-r singular vectors of the whole Δ̄ (p × rest; our rows `mean_delta`,
-    gathered over the site); u, v re-expressed from Q in Q_new (left side, sharded: the
-    r rows are gathered, rotated, and our share kept)."""
-    full = whole(key, mean_delta)
-    where, q_old = lowrank.side(tuple(full.shape)), state["Q"]
-    q_new = lowrank.top_singular_basis(full, q_old.shape[1], where)
-    u, v = state["exp_avg"], state["exp_avg_sq"]
-    if where == lowrank.LEFT and is_sharded(key):
-        u, v = whole(key, u, rows=q_old.shape[1]), whole(key, v, rows=q_old.shape[1])
-    u, v = lowrank.rotate_moments(u, v, q_old, q_new, where)
-    if where == lowrank.LEFT:
-        u, v = own_rows(key, u).clone(), own_rows(key, v).clone()
-    state["exp_avg"], state["exp_avg_sq"], state["Q"] = u, v, q_new
-
-
 class LoRDO(PeriodicAveraging):
     """Low-rank Adam between syncs, parameter averaging every `sync_every` steps; see the
     module docstring for the equations and the choices made.
@@ -211,7 +120,8 @@ class LoRDO(PeriodicAveraging):
             applies it before its local step (`thinwire.optim.periodic`, "Overlap").
     Initial parameters must be identical on all ranks (as with DDP's broadcast).
     State per parameter: 'step', 'exp_avg', 'exp_avg_sq' (float32), for low-rank ones 'Q'
-    and 'error' (float32, p × rest), and the sync's 'anchor' etc. (`PeriodicAveraging`).
+    and 'error' (float32, p × rest), and the sync's 'anchor' etc. (`PeriodicAveraging`); a
+    stacked parameter's tensors are views of its stack's buffers (`lordo_groups`).
     """
 
     kind = "lordo"
@@ -227,6 +137,9 @@ class LoRDO(PeriodicAveraging):
         super().__init__(params, defaults)
         self._init_sync(process_group, nonfinite, sync_every, outer_lr, outer_momentum, wire, overlap)
         self._warned = False
+        self.grouped = True                       # False: every parameter on the per-tensor path
+        self._stacks: tuple | None = None         # (layout key, `Stacks`), kept while the layout stays
+        self._synced: dict | None = None          # inside `_apply`: id(parameter) -> its Δ̄
 
     def add_param_group(self, param_group: dict) -> None:
         _check_group({**self.defaults, **param_group})
@@ -269,22 +182,57 @@ class LoRDO(PeriodicAveraging):
                 state.update(exp_avg=torch.zeros_like(p, dtype=torch.float32),
                              exp_avg_sq=torch.zeros_like(p, dtype=torch.float32))
 
+    def _grouping(self, layout: list[Member]) -> Stacks:
+        """The layout's stacks (`thinwire.optim.lordo_groups`), rebuilt when a member's signature
+        changes; each stacked member's state a view of its stack's buffers."""
+        states = [self.state[m.key] for m in layout]
+        signatures = [signature(m, st) if self.grouped else None for m, st in zip(layout, states)]
+        key = (tuple(id(m.key) for m in layout), tuple(signatures))
+        if self._stacks is None or self._stacks[0] != key:
+            self._stacks = (key, Stacks(layout, states, signatures))
+        stacks = self._stacks[1]
+        for stack in stacks.stacks:
+            stack.adopt([states[i] for i in stack.members])
+        return stacks
+
     def _local_step(self, step: int, layout: list[Member]) -> None:
-        for (group, p, key), norm in zip(layout, whole_norms(layout)):
-            if p.grad is None:                                        # no gradient: no local step
+        """Every stack in one step when all its members have a gradient and one step count;
+        the other parameters (and such a stack's, this step) one at a time."""
+        stacks, rest = self._grouping(layout), []
+        for stack in stacks.stacks:
+            params = [layout[i].param for i in stack.members]
+            states = [self.state[layout[i].key] for i in stack.members]
+            counts = {state["step"] for state in states}
+            if len(counts) > 1 or any(p.grad is None for p in params):
+                rest += stack.members
                 continue
-            state = self.state[key]
-            state["step"] += 1
-            g = clipped(p.grad, group["clip"], norm)
-            if group["weight_decay"]:
-                # θ ← θ (1 − η λ)
-                p.mul_(1.0 - group["lr"] * group["weight_decay"])
-            if "Q" in state:
-                low_rank_step_(p, g, state, group, state["step"], key)
-            else:
-                full_rank_step_(p, g, state, group, state["step"])
+            for state in states:
+                state["step"] += 1
+            step_stack_(stack, params, counts.pop() + 1)
+        step_each_(self.state.__getitem__, [layout[i] for i in sorted(stacks.rest + rest)])
+
+    def _apply(self, step: int, layout: list[Member], delivery, skip: torch.Tensor | None = None) -> None:
+        """The sync (`PeriodicAveraging._apply`), then the bases refreshed from the Δ̄ that
+        `_after_sync` set aside: each stack's in one batch, the others one at a time."""
+        self._synced = {}
+        try:
+            super()._apply(step, layout, delivery, skip)
+            stacks = self._grouping(layout)
+            for stack in stacks.stacks:
+                if stack.low_rank:
+                    refresh_stack_(stack, [self._synced[id(layout[i].key)] for i in stack.members])
+            for i in stacks.rest:
+                m = layout[i]
+                if "Q" in self.state[m.key]:
+                    refresh_basis_(self.state[m.key], self._synced[id(m.key)].view(m.param.shape[0], -1), m.key)
+        finally:
+            self._synced = None
 
     def _after_sync(self, slot: Slot, mean_delta: torch.Tensor) -> None:
+        """This parameter's Δ̄, set aside for `_apply`'s refresh (outside `_apply`: refreshed now)."""
+        if self._synced is not None:
+            self._synced[id(slot.key)] = mean_delta
+            return
         state = self.state[slot.key]
         if "Q" in state:
             refresh_basis_(state, mean_delta.view(slot.param.shape[0], -1), slot.key)
