@@ -52,7 +52,8 @@ envelope's check and its read of the delivery). Same equations; the batched norm
 GEMMs and SVDs may sum in another order than one matrix at a time (float rounding), the clip
 divides by max(1, ‖G‖_F / ρ) rather than multiply by min(1, ρ / ‖G‖_F), and the full-rank term
 adds Ĝ · (−η (1−ω) / mean(D)) (the same numbers up to rounding). tests/optim/test_lordo.py
-holds both paths to an independent per-matrix simulation of the equations.
+and test_lordo_groups.py (stacks of several parameters) hold LoRDO to independent per-matrix
+simulations of the equations; on CPU the stacked and per-tensor paths agreed bit for bit there.
 
 Not dense Adam even at rank = min(p, q), ω = 1, no clipping, K = 1: each rank runs Adam on
 its own gradient with its own moments and the parameters are then averaged, so the update
