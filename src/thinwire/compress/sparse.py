@@ -2,7 +2,12 @@
 
 Both keep K = max(1, round(ratio * d)) of the d entries and send them through a value stage
 (`thinwire.compress.value_stages`); the base class, the contraction bound and the interface
-are in `thinwire.compress.ef21`.
+are in `thinwire.compress.ef21`. These are the per-tensor forms, the reference for the wire
+format; EF21-Muon runs the same compressors over all its tensors at once, in the same bytes
+(`thinwire.compress.ef21_blocks`). Nothing here is data-dependent in size: a bitmap's
+positions come from a sort or a top-k, never `nonzero`, and Rand-K draws its positions on
+the tensor's device (`device_generator`). `decode` checks what it reads on the host (a
+malformed payload raises ValueError); the block form checks on the device.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import torch
 from ..ops.select import largest_indices
 from ..wire import index_width, pack_bits, packed_nbytes, unpack_bits
 from .ef21 import EF21Compressor, check_ratio, numel
-from .value_stages import generator
+from .ef21_rows import device_generator
 
 
 class _Sparse(EF21Compressor):
@@ -68,9 +73,9 @@ class TopK(_Sparse):
         flat, cut = x.reshape(-1), self._index_nbytes(x.shape)
         idx = largest_indices(flat.abs(), self.k(x.shape))
         if self.bitmap(x.shape):
+            idx = idx.sort().values                                          # ascending positions
             mask = torch.zeros(flat.numel(), dtype=torch.uint8, device=flat.device).index_fill_(0, idx, 1)
             pack_bits(mask, 1, out=out[:cut])
-            idx = mask.nonzero().view(-1)                                # ascending positions
         else:
             pack_bits(idx, index_width(flat.numel()), out=out[:cut])
         self.values.encode(flat[idx], out[cut:], seed)
@@ -79,9 +84,11 @@ class TopK(_Sparse):
         buf = self._buffer(buf, shape)
         n, k, cut = numel(shape), self.k(shape), self._index_nbytes(shape)
         if self.bitmap(shape):
-            idx = unpack_bits(buf[:cut], 1, n).nonzero().view(-1)
-            if idx.numel() != k:
-                raise ValueError(f"malformed payload: bitmap marks {idx.numel()} positions, expected {k}")
+            bits = unpack_bits(buf[:cut], 1, n)
+            marked = int(bits.sum())
+            if marked != k:
+                raise ValueError(f"malformed payload: bitmap marks {marked} positions, expected {k}")
+            idx = bits.topk(k).indices.sort().values                         # ascending positions
         else:
             idx = unpack_bits(buf[:cut], index_width(n), k)
             if int(idx.max()) >= n:
@@ -94,14 +101,15 @@ class RandK(_Sparse):
     alpha = K / d (the scaled d/K version is unbiased but not contractive, which EF21 needs).
 
     The indices are drawn from `seed` on every rank (no index bytes on the wire): only the
-    K values travel.
+    K values travel. They are drawn on the tensor's device (on the CPU the stream of
+    `value_stages.generator(seed)`), so a GPU copies nothing from the host.
     """
 
     kind = "randk"
 
     def indices(self, shape, seed: int, device) -> torch.Tensor:
-        perm = torch.randperm(numel(shape), generator=generator(seed))
-        return perm[: self.k(shape)].to(device)
+        perm = torch.randperm(numel(shape), generator=device_generator(seed, device), device=device)
+        return perm[: self.k(shape)]
 
     def payload_nbytes(self, shape) -> int:
         return self.values.nbytes(self.k(shape))

@@ -39,12 +39,30 @@ same W bit for bit. Comm stats tag the uplink 'payload' and the downlink 'downli
 The step envelope (`thinwire.optim.base`) owns the rest: each message starts with the
 protocol prefix (8-byte header, then a presence bitmap of one bit per parameter), non-finite
 gradients and bad peers fail (or skip) on every rank together, and the step counter seeds
-the randomised compressors (Rand-K, natural): seeds derive from (seed, step, parameter
-index, link, sender rank), so receivers regenerate the same indices. The new momenta are
-computed when the message is encoded but committed (M_j, G_j ← G_j + R_j) only when the
-step is applied, so a flagged step changes no state. A parameter with a gradient on no rank
-does not move and keeps its state; one with a gradient on some ranks only counts ∇f_j = 0
-on the others.
+the randomised compressors (Rand-K, natural): seeds derive from (seed, step, link, sender
+rank), so receivers regenerate the same positions (a compressor without a block form, below:
+(seed, step, parameter index, link, sender rank), as before). The new momenta are computed
+when the message is encoded, and the server's new G and X when it serves, but they are
+committed (M_j, G_j ← G_j + R_j; G, X) only when the step is applied, so a flagged step
+changes no state. A parameter with a gradient on no rank does not move and keeps its state
+(the envelope puts back what the step computed for it); one with a gradient on some ranks
+only counts ∇f_j = 0 on the others.
+
+What a step costs a GPU (docs/design.md): no host read but the envelope's one after the
+exchange (`nonfinite='raise'`), and launches that do not grow with the number of tensors.
+The state of each kind is one flat buffer per (device, dtype) (`thinwire.optim.ef21_flat`;
+`state[p]` holds views), the equations run once per param group on its range, the links'
+compressors once per block of same-size tensors (`thinwire.compress.ef21_blocks`: Top-K by
+`topk`, never `nonzero`; Rand-K's and natural rounding's draws on the device), the LMO once
+per matrix shape (`thinwire.optim.ef21_lmo`: Newton–Schulz batched), and under
+topology='server' rank 0 judges the messages on the device (`thinwire.optim.ef21_relay`).
+This rank's non-finite gradients are taken as zeros on the device and flagged in its
+message. Same arithmetic as the per-tensor equations, bit for bit on CPU (the sum over
+ranks but for the sign of a zero); on a GPU a batched GEMM or top-k may sum or break ties
+otherwise. The random streams are the device's, one per link, step and sender (not one per
+tensor): Rand-K's positions and natural rounding are drawn otherwise than before, with the
+same distributions. Compressors without a block form (rank-K, DCT-Top-K, value stages with a
+scale: int8, sign, 2bit) run tensor by tensor, and DCT-Top-K and rank-K's checks read the host.
 
 Two tiers (FSDP2 shards, `process_group` = the group across sites): M_j, G_j, G, X, the
 compressors and W ← W + S run on this rank's shard; the LMO is defined on the whole matrix,
@@ -63,35 +81,23 @@ import torch
 
 from ..compress import EF21Compressor
 from ..compress.spec import parse_compressor
-from ..ops import add_rms_, add_sign_, add_spectral_
+from ..wire import checks
 from .base import CommunicatingOptimizer, Member
+from .ef21_flat import DOWN, UP, Family, Plan, Seeds, make_plan, plan_key
+from .ef21_lmo import LmoPlan, add_lmo_, lmo_of  # noqa: F401  (the per-tensor LMO, importable from here)
+from .ef21_relay import DeviceRelay
 from .exchange import GatherAll
-from .relay import ServerRelay
-from .flat import spans
-from .shards import is_sharded, own_rows, whole
 
 LMOS = ("auto", "spectral", "sign", "rms")
 TOPOLOGIES = ("server", "replicated")
-UP, DOWN = 1, 0                # the link, in the compressors' seeds
-
-
-class Entry(NamedTuple):
-    """One layout parameter's place in the messages: its group, tensor, index in the layout
-    (for the seeds) and its bytes in the uplink and downlink payloads."""
-    group: dict
-    param: torch.Tensor
-    index: int
-    up: slice
-    down: slice
-    key: torch.Tensor                 # the parameter itself (param: its shard under FSDP2)
 
 
 class Sent(NamedTuple):
-    """What this rank's encode leaves for the apply: the step, its entries, and the new
-    momenta M_j⁺ (one per entry), committed only if the step goes through."""
+    """What this rank's encode leaves for the apply: the step, its layout and plan, whose
+    families hold the new momenta M_j⁺ (`fresh`), committed only if the step goes through."""
     step: int
-    entries: list[Entry]
-    momenta: list[torch.Tensor]
+    layout: list[Member]
+    plan: Plan
 
 
 def _check_group(g: dict) -> None:
@@ -109,112 +115,79 @@ def _check_group(g: dict) -> None:
                              "biases and gains in a param group with lmo='rms' or 'sign' (or use 'auto')")
 
 
-def _seed(*parts: int) -> int:
-    """A deterministic 63-bit mix (FNV-style) of integers; every rank computes the same."""
-    h = 0xCBF29CE484222325
-    for part in parts:
-        h = ((h ^ (int(part) & 0xFFFF_FFFF_FFFF_FFFF)) * 0x100000001B3) & 0xFFFF_FFFF_FFFF_FFFF
-    return h & 0x7FFF_FFFF_FFFF_FFFF
+# ---- the equations, one per function, on one family's flat buffers (`ef21_flat.Family`) ------
+def new_momenta(fam: Family, grads: torch.Tensor) -> torch.Tensor:
+    """M_j⁺ = (1 − β) M_j + β ∇f_j(W) into `fresh` (M_j itself changes at commit), each param
+    group with its β; a rank without a gradient counts ∇f_j = 0 (zeros in `grads`)."""
+    fresh, m = fam.flats["fresh"], fam.flats["momentum"]
+    for group, lo, hi in fam.groups:
+        # M_j⁺ = M_j + β (∇f_j − M_j)          (lerp, as torch.optim.Muon's buffer)
+        torch.lerp(m[lo:hi], grads[lo:hi], group["beta"], out=fresh[lo:hi])
+    return fresh
 
 
-# ---- the equations, one per function -------------------------------------------------------
-def new_momentum(m: torch.Tensor, grad: torch.Tensor | None, beta: float) -> torch.Tensor:
-    """M_j⁺ = (1 − β) M_j + β ∇f_j(W), a new tensor (M_j itself changes at commit);
-    a rank without a gradient counts ∇f_j = 0."""
-    # M_j⁺ = M_j + β (∇f_j − M_j)          (lerp, as torch.optim.Muon's buffer)
-    return m.lerp(grad if grad is not None else torch.zeros_like(m), beta)
+def uplink_message(fam: Family, lossless: bool) -> torch.Tensor:
+    """What worker j compresses: M_j⁺ − G_j (so R_j = C_j(M_j⁺ − G_j)), into the gradients'
+    buffer (read already), or M_j⁺ itself on a lossless link."""
+    fresh = fam.flats["fresh"]
+    return fresh if lossless else torch.sub(fresh, fam.flats["estimate"], out=fam.flats["grads"])
 
 
-def uplink_message(m_new: torch.Tensor, g: torch.Tensor, lossless: bool) -> torch.Tensor:
-    """What worker j compresses: M_j⁺ − G_j (so R_j = C_j(M_j⁺ − G_j)), or M_j⁺ itself
-    on a lossless link."""
-    return m_new if lossless else m_new - g
-
-
-def commit_worker_(m: torch.Tensor, g: torch.Tensor, m_new: torch.Tensor, r: torch.Tensor, lossless: bool) -> None:
-    """M_j ← M_j⁺;  G_j ← G_j + R_j (lossless: G_j ← M_j⁺). `r` is what the wire delivered."""
+def commit_worker(fam: Family, r: torch.Tensor | None, lossless: bool) -> None:
+    """M_j ← M_j⁺;  G_j ← G_j + R_j (lossless: G_j ← M_j⁺). `r`: R_j as the wire delivers it."""
     # M_j ← M_j⁺
-    m.copy_(m_new)
+    fam.flats["momentum"].copy_(fam.flats["fresh"])
     if lossless:
         # G_j ← M_j⁺
-        g.copy_(m_new)
+        fam.flats["estimate"].copy_(fam.flats["fresh"])
     else:
         # G_j ← G_j + R_j
-        g.add_(r.to(g.dtype))
+        fam.flats["estimate"].add_(r.to(fam.dtype))
 
 
-def mean_over_ranks(parts: list[torch.Tensor]) -> torch.Tensor:
-    """(1/n) Σ_j parts[j], summed in rank order (the same bits wherever it is computed), into
-    parts[0] (freshly decoded tensors, not state)."""
-    total = parts[0]
-    for part in parts[1:]:
-        # Σ ← Σ + part_j
-        total = total.add_(part)
-    # (1/n) Σ
-    return total.div_(len(parts))
-
-
-def server_estimate_(g: torch.Tensor, mean: torch.Tensor, lossless: bool) -> None:
-    """G ← G + (1/n) Σ_j R_j;  lossless uplink: G ← (1/n) Σ_j M_j."""
+def server_estimate(fam: Family, mean: torch.Tensor, lossless: bool) -> torch.Tensor:
+    """G⁺ = G + (1/n) Σ_j R_j;  lossless uplink: G⁺ = (1/n) Σ_j M_j (into `next_estimate`)."""
+    out = fam.flats["next_estimate"]
     if lossless:
-        # G ← (1/n) Σ_j M_j
-        g.copy_(mean)
-    else:
-        # G ← G + (1/n) Σ_j R_j
-        g.add_(mean.to(g.dtype))
+        # G⁺ = (1/n) Σ_j M_j
+        return out.copy_(mean)
+    # G⁺ = G + (1/n) Σ_j R_j
+    return torch.add(fam.flats["server_estimate"], mean.to(fam.dtype), out=out)
 
 
-def lmo_of(group: dict, p: torch.Tensor) -> str:
-    """The group's LMO for p ('auto': spectral for ≥2-D tensors, rms otherwise)."""
-    lmo = group["lmo"]
-    if lmo == "auto":
-        return "spectral" if p.dim() >= 2 else "rms"
-    return lmo
+def server_model(fam: Family, lmo: LmoPlan, layout: list[Member]) -> torch.Tensor:
+    """X⁺ = (1 − tλ) X + t · LMO(G⁺) (into `next_model`; `ef21_lmo`)."""
+    out = fam.flats["next_model"].copy_(fam.flats["server_model"])
+    lmo.step(out, fam.flats["next_estimate"], layout)
+    return out
 
 
-def add_lmo_(x: torch.Tensor, g: torch.Tensor, t: float, lmo: str, key: torch.Tensor) -> None:
-    """X ← X + t · LMO(G), the LMO of the ball of radius t in the chosen norm. Under FSDP2
-    x and g are this rank's rows of parameter `key`: sign is elementwise, on the shard;
-    spectral and rms are defined on the whole G, gathered over the site, and x takes its rows."""
-    if is_sharded(key) and lmo != "sign":
-        step = torch.zeros(key.shape, dtype=x.dtype, device=x.device)
-        add_lmo_(step, whole(key, g), t, lmo, step)                # X_whole − X_whole: t · LMO(G)
-        x.add_(own_rows(key, step))
-        return
-    if lmo == "spectral":
-        # X ← X − t √max(1, rows/cols) NS(G)
-        add_spectral_(x, g, -t)
-    elif lmo == "sign":
-        # X ← X − t sign(G)
-        add_sign_(x, g, -t)
-    else:
-        # X ← X − t √d G / ‖G‖₂
-        add_rms_(x, g, -t)
+def commit_server(fam: Family) -> None:
+    """G ← G⁺;  X ← X⁺."""
+    fam.flats["server_estimate"].copy_(fam.flats["next_estimate"])
+    fam.flats["server_model"].copy_(fam.flats["next_model"])
 
 
-def server_model_(x: torch.Tensor, g: torch.Tensor, group: dict, lmo: str, key: torch.Tensor) -> None:
-    """X ← (1 − tλ) X + t · LMO(G) (`key`: the parameter, see add_lmo_)."""
-    t, decay = group["lr"], group["weight_decay"]
-    if decay:
-        # X ← (1 − tλ) X
-        x.mul_(1.0 - t * decay)
-    # X ← X + t · LMO(G)
-    add_lmo_(x, g, t, lmo, key)
+def model_shift(fam: Family, layout: list[Member], lossless: bool) -> torch.Tensor:
+    """What the server compresses: X⁺ − W (so S = C(X⁺ − W)), or X⁺ itself on a lossless link."""
+    x = fam.flats["next_model"]
+    return x if lossless else torch.sub(x, fam.take_weights(layout), out=fam.flats["weights"])
 
 
-def model_shift(x: torch.Tensor, w: torch.Tensor, lossless: bool) -> torch.Tensor:
-    """What the server compresses: X − W (so S = C(X − W)), or X itself on a lossless link."""
-    return x if lossless else x - w
-
-
-def apply_shift_(w: torch.Tensor, s: torch.Tensor, lossless: bool) -> None:
-    """W ← W + S;  lossless downlink (S carries X): W ← X."""
+def apply_shift(fam: Family, layout: list[Member], s: torch.Tensor, lossless: bool) -> None:
+    """W ← W + S;  lossless downlink (S carries X): W ← X. `s`: S decoded, float32."""
+    if s.dtype == fam.dtype:
+        shifts = fam.views("shift")
+    else:                                                   # one rounding copy: foreach ops want one dtype
+        fam.flats["weights"].copy_(s)
+        shifts = fam.views("weights")
+    params = [layout[i].param for i in fam.members]
     if lossless:
         # W ← X
-        w.copy_(s)
+        torch._foreach_copy_(params, shifts)
     else:
         # W ← W + S
-        w.add_(s.to(w.dtype))
+        torch._foreach_add_(params, shifts)
 
 
 # ---- the optimizer -------------------------------------------------------------------------
@@ -235,9 +208,10 @@ class EF21Muon(CommunicatingOptimizer):
             in flight until the next step() (one step of staleness; `thinwire.optim.base`).
         process_group: torch.distributed group (default: world; none needed for one process).
     State per parameter: momentum (M_j), estimate (G_j); where the server runs,
-    server_estimate (G) and server_model (X). Resume with the same topology (under 'server'
-    only rank 0 holds G and X). Parameters should be float32 (keep fp32 master weights under
-    mixed precision): W += S accumulates in the parameter's dtype.
+    server_estimate (G) and server_model (X): views of flat buffers (`ef21_flat`). Resume
+    with the same topology (under 'server' only rank 0 holds G and X). Parameters should be
+    float32 (keep fp32 master weights under mixed precision): the state is kept in the
+    parameters' dtype and W += S accumulates in it.
     'sign' and 'rms' move each element by about lr per step, like Adam's early updates, so
     such groups take an AdamW-sized lr (e.g. 3e-3), not Muon's 0.02.
     """
@@ -259,9 +233,10 @@ class EF21Muon(CommunicatingOptimizer):
         if topology == "replicated":
             self._link = GatherAll(self.comm)
         else:
-            self._link = ServerRelay(self.comm, self._serve_relayed)
+            self._link = DeviceRelay(self.comm, lambda uplinks, down, step: self._serve(step, uplinks, down))
         self._down: torch.Tensor | None = None        # replicated: the downlink, computed locally
         self._sent: Sent | None = None
+        self._plan_made: Plan | None = None
 
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]
@@ -274,105 +249,107 @@ class EF21Muon(CommunicatingOptimizer):
         """Whether this rank runs the server step (and holds G and X)."""
         return self.topology == "replicated" or self.comm.rank == 0
 
-    def _entries(self, layout: list[Member]) -> tuple[list[Entry], int, int]:
-        """Each parameter's entry, and the uplink and downlink payload sizes."""
-        ups = spans(self.uplink.payload_nbytes(m.param.shape) for m in layout)
-        downs = spans(self.downlink.payload_nbytes(m.param.shape) for m in layout)
-        entries = [Entry(group, p, index, slice(up.start, up.stop), slice(down.start, down.stop), key)
-                   for index, ((group, p, key), up, down) in enumerate(zip(layout, ups, downs))]
-        return entries, sum(up.size for up in ups), sum(down.size for down in downs)
+    def _plan(self, layout: list[Member]) -> Plan:
+        """The layout's plan, made again only when the layout (or a group's lmo) changes."""
+        key = plan_key(layout)
+        if self._plan_made is None or self._plan_made.key != key:
+            header = (f"ef21-muon world_size={self.comm.world_size} topology={self.topology} seed={self.seed} "
+                      f"uplink={self.uplink.name} downlink={self.downlink.name}")
+            self._plan_made = make_plan(key, layout, self.is_server, self.uplink, self.downlink, header)
+        return self._plan_made
 
     # ---- the envelope's hooks ----------------------------------------------------------------
     def _describe(self, layout: list[Member]) -> str:
-        entries, _, _ = self._entries(layout)
-        lines = [f"ef21-muon world_size={self.comm.world_size} topology={self.topology} seed={self.seed} "
-                 f"uplink={self.uplink.name} downlink={self.downlink.name}"]
-        lines += [f"{tuple(e.param.shape)} {e.param.dtype} lmo={e.group['lmo']} "
-                  f"@{e.up.start}+{e.up.stop - e.up.start} @{e.down.start}+{e.down.stop - e.down.start}"
-                  for e in entries]
-        return "\n".join(lines)
+        return self._plan(layout).description
+
+    def _masks_nonfinite(self, layout: list[Member]) -> bool:
+        return True                      # `Family.take_gradients` takes them as zeros; M_j⁺ is kept apart
 
     def _exchange(self, step: int, layout: list[Member]):
         self._sent = None
         if not layout:                                   # nothing to train: a local no-op step
             return None
-        _, up, down = self._entries(layout)
-        device = layout[0].param.device
+        plan, device = self._plan(layout), layout[0].param.device
         if self.topology == "replicated":
-            self._link.resize(len(layout), up, device)
-            if self._down is None or self._down.numel() != down or self._down.device != device:
-                self._down = torch.empty(down, dtype=torch.uint8, device=device)
+            self._link.resize(len(layout), plan.up, device)
+            if self._down is None or self._down.numel() != plan.down or self._down.device != device:
+                self._down = torch.empty(plan.down, dtype=torch.uint8, device=device)
         else:
-            self._link.resize(len(layout), up, down, device)
+            self._link.resize(len(layout), plan.up, plan.down, device)
         return self._link
 
     def _prepare(self, step: int, layout: list[Member]) -> None:
-        for _, p, key in layout:
-            state = self.state[key]
-            if "momentum" not in state:                  # M_j = G_j = 0
-                state["momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["estimate"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if self.is_server and "server_model" not in state:   # G = 0, X = W
-                state["server_estimate"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["server_model"] = p.detach().clone(memory_format=torch.preserve_format)
+        for fam in self._plan(layout).families:
+            fam.adopt(self.state, layout)
 
     def _encode(self, step: int, layout: list[Member], exchange) -> None:
         """M_j⁺ for every parameter (kept for the apply) and R_j = C_j(M_j⁺ − G_j) into the uplink."""
         if exchange is None:
             return
-        entries, _, _ = self._entries(layout)
-        payload, rank, momenta = exchange.payload, self.comm.rank, []
-        for e in entries:
-            state = self.state[e.key]
-            m_new = new_momentum(state["momentum"], e.param.grad, e.group["beta"])
-            message = uplink_message(m_new, state["estimate"], self.uplink.lossless)
-            self.uplink.encode(message, payload[e.up], _seed(self.seed, step, e.index, UP, rank))
-            momenta.append(m_new)
-        self._sent = Sent(step, entries, momenta)
+        plan, seeds = self._plan(layout), Seeds(self.seed, step, UP)
+        for fam in plan.families:
+            new_momenta(fam, fam.take_gradients(layout, self.gradients_nonfinite))
+            fam.up.encode(uplink_message(fam, self.uplink.lossless), exchange.payload, seeds, self.comm.rank)
+        self._sent = Sent(step, layout, plan)
 
-    def _serve_relayed(self, uplinks: torch.Tensor, present: torch.Tensor, down: torch.Tensor) -> None:
-        """ServerRelay's server step, on rank 0: `uplinks` is every rank's uplink payload."""
-        self._serve(self._sent, uplinks, present, down)
+    def _serve(self, step: int, uplinks: torch.Tensor, down: torch.Tensor) -> torch.Tensor | None:
+        """The server step: G⁺, X⁺ and S = C(X⁺ − W) into `down`, for every parameter (one with
+        a gradient on no rank is put back by the envelope). `uplinks`: [world, uplink payload].
+        Returns the malformed flag of what arrived (0-dim bool on the device) or None."""
+        sent, world = self._sent, uplinks.shape[0]
+        up, flags = Seeds(self.seed, step, UP), []
+        for fam, lmo in zip(sent.plan.families, sent.plan.lmos):
+            flags.append(fam.up.land(uplinks, up, list(range(world)), fam.dense))
+            server_estimate(fam, fam.dense.div_(world), self.uplink.lossless)       # (1/n) Σ_j, rank order
+            server_model(fam, lmo, sent.layout)
+            shift = model_shift(fam, sent.layout, self.downlink.lossless)
+            fam.down.encode(shift, down, Seeds(self.seed, step, DOWN), None)
+        return checks.any_of([f for f in flags if f is not None])
 
-    def _serve(self, sent: Sent, uplinks: torch.Tensor, present: torch.Tensor, down: torch.Tensor) -> None:
-        """The server step for every parameter with a gradient somewhere: G, X, and
-        S = C(X − W) into `down` (zeros for the others, which nobody applies).
-        `uplinks` is [world, uplink payload]."""
-        for e, anywhere in zip(sent.entries, present.tolist()):
-            if not anywhere:
-                down[e.down].zero_()
-                continue
-            p, state = e.param, self.state[e.key]
-            parts = [self.uplink.decode(uplinks[r, e.up], p.shape, _seed(self.seed, sent.step, e.index, UP, r))
-                     for r in range(uplinks.shape[0])]
-            server_estimate_(state["server_estimate"], mean_over_ranks(parts).to(p.dtype), self.uplink.lossless)
-            server_model_(state["server_model"], state["server_estimate"], e.group, lmo_of(e.group, p), e.key)
-            shift = model_shift(state["server_model"], p, self.downlink.lossless)
-            self.downlink.encode(shift, down[e.down], _seed(self.seed, sent.step, e.index, DOWN))
+    def _arrival(self, step: int, layout: list[Member], delivery) -> list[torch.Tensor]:
+        """Before the step's one host read: the server step where every rank serves, and S
+        decoded; their malformed flags (what came from peers) are read with the verdict."""
+        sent, flags = self._sent, []
+        if sent is None:
+            return flags
+        if self.topology == "replicated":                # every rank is the server: S computed here
+            flags.append(self._serve(step, delivery.data, self._down))
+            down = self._down
+        else:                                            # S as rank 0 broadcast it
+            down = delivery.data
+        for fam in sent.plan.families:
+            landed = fam.down.land(down[None], Seeds(self.seed, step, DOWN), [None], fam.shift)
+            if self.topology == "server":
+                flags.append(landed)
+        return [f for f in flags if f is not None]
 
     def _pending_state(self, record) -> dict:
         """A checkpoint with this step in flight keeps the new momenta M_j⁺ its apply commits."""
-        return {"momenta": [m.clone() for m in self._sent.momenta]}
+        momenta = [None] * len(self._sent.layout)
+        for fam in self._sent.plan.families:
+            for i, view in zip(fam.members, fam.views("fresh")):
+                momenta[i] = view.clone()
+        return {"momenta": momenta}
 
     def _load_pending_state(self, record, saved: dict) -> None:
-        entries, _, _ = self._entries(record.layout)
-        self._sent = Sent(record.step, entries, [m.to(e.param.device).clone() for m, e in zip(saved["momenta"], entries)])
+        plan = self._plan(record.layout)
+        for fam in plan.families:
+            fam.adopt(self.state, record.layout)             # the loaded state, before the step lands
+            fam.up.forget()                                   # R_j: from the re-sent payload
+            for i, view in zip(fam.members, fam.views("fresh")):
+                view.copy_(saved["momenta"][i])
+        self._sent = Sent(record.step, record.layout, plan)
 
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
-        """Commit M_j and G_j, then W ← W + S, for every parameter with a gradient somewhere."""
+        """Commit M_j and G_j (and G, X where this rank serves), then W ← W + S."""
         sent, self._sent = self._sent, None
-        if self.topology == "replicated":               # every rank is the server: S computed here
-            self._serve(sent, delivery.data, delivery.present, self._down)
-            down = self._down
-        else:                                           # S as rank 0 broadcast it
-            down = delivery.data
-        own, rank = self._link.payload, self.comm.rank
-        for e, m_new, anywhere in zip(sent.entries, sent.momenta, delivery.present.tolist()):
-            if not anywhere:
-                continue
-            p, state = e.param, self.state[e.key]
-            r = None if self.uplink.lossless else \
-                self.uplink.decode(own[e.up], p.shape, _seed(self.seed, step, e.index, UP, rank))
-            commit_worker_(state["momentum"], state["estimate"], m_new, r, self.uplink.lossless)
-            s = self.downlink.decode(down[e.down], p.shape, _seed(self.seed, step, e.index, DOWN))
-            apply_shift_(p, s, self.downlink.lossless)
+        own, up = self._link.payload, Seeds(self.seed, step, UP)
+        for fam in sent.plan.families:
+            r = None
+            if not self.uplink.lossless:                 # R_j as the server decoded it
+                fam.up.own(own, up, self.comm.rank, fam.dense)
+                r = fam.dense
+            commit_worker(fam, r, self.uplink.lossless)
+            if fam.server:
+                commit_server(fam)
+            apply_shift(fam, sent.layout, fam.shift, self.downlink.lossless)
