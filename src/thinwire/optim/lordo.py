@@ -41,13 +41,14 @@ and u, v hold this rank's share of its r rows (`thinwire.optim.lordo_tensor.low_
 What a step costs a GPU (issue 47; docs/design.md, "What a step costs a GPU"): the parameters
 of one param group, shape and dtype form a stack (`thinwire.optim.lordo_groups`) and each line
 above runs once per stack (one stack of the gradients, batched norms, `bmm`, `_foreach_*` on
-the parameters), so a local step launches as many kernels at 100 tensors as at 28; nothing in
-it is read on the host (the clip's scale and mean(D) stay on the device): what is left is the
-envelope's one check of this rank's gradients. A sync refreshes each stack's bases with one
+the parameters) or, where it is elementwise (decay, u, v, D), once over every stack, so a
+local step launches as many kernels at 100 tensors as at 28; nothing in it is read on the
+host (the clip's scale and mean(D) stay on the device): what is left is the envelope's one
+check of this rank's gradients. A sync refreshes each stack's bases with one
 batched SVD (on a GPU its own synchronisation, once per stack instead of once per matrix).
 `thinwire.audit.StepAudit` at world 2 (GPT-2 shapes of width 16 at 2 / 8 blocks, rank 4, K 4,
 tests/optim/test_lordo_audit.py): a local step made 364 / 1,276 launches and 12 / 36 host
-reads, now 138 and 1 at both; the sync step 441 / 1,521 and 13 / 37, now 183 and 2 (the
+reads, now 96 and 1 at both; the sync step 441 / 1,521 and 13 / 37, now 141 and 2 (the
 envelope's check and its read of the delivery). Same equations; the batched norms, means,
 GEMMs and SVDs may sum in another order than one matrix at a time (float rounding), the clip
 divides by max(1, ‖G‖_F / ρ) rather than multiply by min(1, ρ / ‖G‖_F), and the full-rank term
@@ -71,7 +72,7 @@ import torch
 
 from ..ops import lowrank
 from .base import Member
-from .lordo_groups import Stacks, refresh_stack_, signature, step_stack_
+from .lordo_groups import Stacks, refresh_stack_, signature, step_stacks_
 from .lordo_tensor import refresh_basis_, step_each_, whole_shape
 from .periodic import PeriodicAveraging, Slot
 from .shards import row_range, site_rank, site_size
@@ -199,7 +200,7 @@ class LoRDO(PeriodicAveraging):
     def _local_step(self, step: int, layout: list[Member]) -> None:
         """Every stack in one step when all its members have a gradient and one step count;
         the other parameters (and such a stack's, this step) one at a time."""
-        stacks, rest = self._grouping(layout), []
+        stacks, rest, work = self._grouping(layout), [], []
         for stack in stacks.stacks:
             params = [layout[i].param for i in stack.members]
             states = [self.state[layout[i].key] for i in stack.members]
@@ -209,7 +210,8 @@ class LoRDO(PeriodicAveraging):
                 continue
             for state in states:
                 state["step"] += 1
-            step_stack_(stack, params, counts.pop() + 1)
+            work.append((stack, params, counts.pop() + 1))
+        step_stacks_(work)
         step_each_(self.state.__getitem__, [layout[i] for i in sorted(stacks.rest + rest)])
 
     def _apply(self, step: int, layout: list[Member], delivery, skip: torch.Tensor | None = None) -> None:

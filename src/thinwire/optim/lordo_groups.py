@@ -1,11 +1,15 @@
 """LoRDO's grouped hot path: the parameters of one param group, shape and dtype as one stack,
-each line of `thinwire.optim.lordo`'s equations one operation over the stack.
+each line of `thinwire.optim.lordo`'s equations one operation over the stack, or over every
+stack at once where the line is elementwise.
 
-    Ĝ = G / max(1, ‖G‖_F / ρ)                  one stack of the gradients, one batched norm
-    ĝ = P(Ĝ + E);  E ← Ĝ + E − P*(ĝ)           E += Ĝ, two `bmm`s, E −= lifted
-    u, v, D                                      elementwise over the stacked moments
-    θ ← θ (1 − η λ) − η [ω P*(u / D) + ...]      one `bmm`, `_foreach_mul_` / `_foreach_add_`
-    Q_new = top-r of Δ̄;  u, v rotated           one batched SVD, three `bmm`s per stack
+    Ĝ = G / max(1, ‖G‖_F / ρ)                  per stack: one stack of the gradients, one
+                                                 batched norm (‖G_i‖ of each member)
+    ĝ = P(Ĝ + E);  E ← Ĝ + E − P*(ĝ)           per stack: E += Ĝ, two `bmm`s, E −= lifted
+    θ ← θ (1 − η λ)                             all stacks: one `_foreach_mul_` per dtype
+    u, v, D                                      all stacks: `_foreach_*` per (β₁, β₂, ε, t)
+    θ ← θ − η [ω P*(u / D) + (1 − ω) Ĝ / μ(D)]   per stack: one `bmm`, batched means,
+                                                 `_foreach_add_` (full rank: `_foreach_addcdiv_`)
+    Q_new = top-r of Δ̄;  u, v rotated           per stack: one batched SVD, three `bmm`s
 
 A stack holds the low-rank (or full-rank) members of one param group with one shape, dtype
 (float32, bfloat16, float16) and device, contiguous and not sharded, with the same basis
@@ -18,9 +22,11 @@ step, does a stack whose members do not all have a gradient or a common step cou
 
 A GPU step's launches then grow with the number of stacks (distinct shapes), not tensors,
 and read nothing on the host: ‖G‖_F, the clip's scale and mean(D) stay on the device.
-Arithmetic: the equations' own; next to the per-tensor path, a batched norm, mean or GEMM
-may sum in another order (float rounding only). bf16/fp16 parameters round each update term
-to their dtype where the per-tensor path does (`add_to_params_`).
+Arithmetic: the equations' own, line by line as the per-tensor path computes them (the same
+`_foreach_*` formulas as `ops.adam_moments_` / `ops.adam_denominator`); a batched norm, mean
+or GEMM may sum in another order than one matrix at a time (float rounding only; on CPU the
+two paths agreed bit for bit in tests/optim/test_lordo_groups.py). bf16/fp16 parameters
+round each update term to their dtype where the per-tensor path does (`add_to_params_`).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import math
 
 import torch
 
-from ..ops import adam_denominator, adam_moments_, lowrank
+from ..ops import lowrank
 from .shards import is_sharded
 
 GROUP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -57,7 +63,7 @@ class Stack:
         self.matrix = (self.shape[0], math.prod(self.shape[1:])) if self.low_rank else None
         self.where = lowrank.side(self.matrix) if self.low_rank else None
         device, n = first.param.device, len(members)
-        self.buffers = {name: torch.zeros((n, *states[0][name].shape), device=device)
+        self.buffers = {name: torch.zeros((n, *states[0][name].shape), dtype=states[0][name].dtype, device=device)
                         for name in NAMES if name in states[0]}
         self.views = {name: buf.unbind(0) for name, buf in self.buffers.items()}
         self._factor: tuple[float, torch.Tensor] | None = None
@@ -90,7 +96,6 @@ class Stacks:
             else:
                 by_key.setdefault(sig, []).append(i)
         self.stacks = [Stack(layout, members, [states[i] for i in members]) for members in by_key.values()]
-        self.member = {i: s for s in self.stacks for i in s.members}
 
 
 def stacked_gradients(grads: list[torch.Tensor], dtype) -> torch.Tensor:
@@ -124,31 +129,71 @@ def add_to_params_(params: list[torch.Tensor], update: torch.Tensor, alpha: floa
     torch._foreach_add_(params, list(update.view(len(params), *params[0].shape).unbind(0)), alpha=alpha)
 
 
-def step_stack_(s: Stack, params: list[torch.Tensor], t: int) -> None:
-    """One local step of every member of `s` (all with a gradient, at step count t)."""
-    group = s.group
+def step_stacks_(work: list[tuple[Stack, list[torch.Tensor], int]]) -> None:
+    """One local step of every stack in `work`: (stack, its parameters, all with a gradient,
+    their step count t). Per stack Ĝ, and E and ĝ for a low-rank one; then θ ← θ (1 − η λ), the
+    moments and D of every stack at once (`_foreach_*`, one call per dtype or hyperparameter
+    set); then each stack's update."""
+    images = [clipped_image(s, params) for s, params, _ in work]
+    decay_all_(work)
+    lows = [project_with_feedback_(s, g) if s.low_rank else g for (s, _, _), g in zip(work, images)]
+    denominators = moments_all_(work, lows)
+    for (s, params, t), g, d in zip(work, images, denominators):
+        if s.low_rank:
+            low_rank_update_(s, params, g, d, t)
+        else:
+            full_rank_update_(s, params, d, t)
+
+
+def clipped_image(s: Stack, params: list[torch.Tensor]) -> torch.Tensor:
+    """Ĝ of every member, float32 [n, ...] (low-rank stacks: [n, p, rest])."""
     g = stacked_gradients([p.grad for p in params], s.dtype)
-    clip_(g, group["clip"])
-    if group["weight_decay"]:
-        # θ ← θ (1 − η λ)   (low precision: the factor as a float32 0-dim tensor, as `p.mul_` takes it)
-        decay = 1.0 - group["lr"] * group["weight_decay"]
-        torch._foreach_mul_(params, decay if s.dtype == torch.float32 else s.factor(decay))
-    if s.low_rank:
-        low_rank_stack_(s, params, g.view(len(params), *s.matrix), t)
-    else:
-        full_rank_stack_(s, params, g, t)
+    clip_(g, s.group["clip"])
+    return g.view(len(params), *s.matrix) if s.low_rank else g
 
 
-def full_rank_stack_(s: Stack, params: list[torch.Tensor], g: torch.Tensor, t: int) -> None:
-    """AdamW on Ĝ for every member (`lordo_tensor.full_rank_step_`), weight decay already applied."""
-    (beta1, beta2), lr = s.group["betas"], s.group["lr"]
-    u, v = s.buffers["exp_avg"], s.buffers["exp_avg_sq"]
-    adam_moments_(u, v, g, beta1, beta2)
-    d = adam_denominator(v, 1.0 - beta2 ** t, s.group["eps"])
+def decay_all_(work: list[tuple[Stack, list[torch.Tensor], int]]) -> None:
+    """θ ← θ (1 − η λ) for every stack with weight decay, one `_foreach_mul_` per (factor, dtype);
+    low precision takes the factor as a float32 0-dim tensor, as `p.mul_` takes a Python float."""
+    by_key: dict[tuple, tuple[Stack, list[torch.Tensor]]] = {}
+    for s, params, _ in work:
+        if s.group["weight_decay"]:
+            decay = 1.0 - s.group["lr"] * s.group["weight_decay"]
+            by_key.setdefault((decay, s.dtype, params[0].device), (s, []))[1].extend(params)
+    for (decay, dtype, _), (s, params) in by_key.items():
+        torch._foreach_mul_(params, decay if dtype == torch.float32 else s.factor(decay))
+
+
+def moments_all_(work: list[tuple[Stack, list[torch.Tensor], int]], lows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`ops.adam_moments_` and `ops.adam_denominator` of every stack (ĝ for low-rank ones, Ĝ
+    for the others), one `_foreach_*` call per line and (β₁, β₂, ε, t): D of each stack."""
+    by_key: dict[tuple, list[int]] = {}
+    for i, (s, _, t) in enumerate(work):
+        by_key.setdefault((*s.group["betas"], s.group["eps"], t, lows[i].device), []).append(i)
+    denominators: list[torch.Tensor | None] = [None] * len(work)
+    for (beta1, beta2, eps, t, _), index in by_key.items():
+        us, vs = [work[i][0].buffers["exp_avg"] for i in index], [work[i][0].buffers["exp_avg_sq"] for i in index]
+        gs = [lows[i] for i in index]
+        # u ← β₁ u + (1 − β₁) ĝ,  v ← β₂ v + (1 − β₂) ĝ²
+        torch._foreach_lerp_(us, gs, 1 - beta1)
+        torch._foreach_mul_(vs, beta2)
+        torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
+        # D = √(v / (1 − β₂ᵗ)) + ε, as √v / √(1 − β₂ᵗ) + ε
+        ds = torch._foreach_sqrt(vs)
+        torch._foreach_div_(ds, math.sqrt(1.0 - beta2 ** t))
+        torch._foreach_add_(ds, eps)
+        for i, d in zip(index, ds):
+            denominators[i] = d
+    return denominators
+
+
+def full_rank_update_(s: Stack, params: list[torch.Tensor], d: torch.Tensor, t: int) -> None:
+    """θ ← θ − η u / ((1 − β₁ᵗ) D) for every member (`lordo_tensor.full_rank_step_`)."""
+    u = s.buffers["exp_avg"]
     if s.dtype != torch.float32:                      # u and D rounded to θ's dtype, as per tensor
         u, d = u.to(s.dtype), d.to(s.dtype)
-    # θ ← θ − η u / ((1 − β₁ᵗ) D)
-    torch._foreach_addcdiv_(params, list(u.unbind(0)), list(d.unbind(0)), value=-lr / (1.0 - beta1 ** t))
+    value = -s.group["lr"] / (1.0 - s.group["betas"][0] ** t)
+    torch._foreach_addcdiv_(params, list(u.unbind(0)), list(d.unbind(0)), value=value)
 
 
 def project(x: torch.Tensor, q: torch.Tensor, where: str) -> torch.Tensor:
@@ -161,26 +206,27 @@ def lift(g: torch.Tensor, q: torch.Tensor, where: str, out: torch.Tensor) -> tor
     return torch.bmm(g, q.mT, out=out) if where == lowrank.RIGHT else torch.bmm(q, g, out=out)
 
 
-def low_rank_stack_(s: Stack, params: list[torch.Tensor], g: torch.Tensor, t: int) -> None:
-    """The low-rank step (`lordo_tensor.low_rank_step_`) of every member, g = Ĝ [n, p, rest];
-    weight decay already applied."""
-    (beta1, beta2), lr, omega = s.group["betas"], s.group["lr"], s.group["omega"]
-    q, error, work = s.buffers["Q"], s.buffers.get("error"), torch.empty_like(g)
+def project_with_feedback_(s: Stack, g: torch.Tensor) -> torch.Tensor:
+    """ĝ = P(Ĝ + E) of every member, and E ← Ĝ + E − P*(ĝ) (`lordo_tensor.low_rank_step_`)."""
+    q, error = s.buffers["Q"], s.buffers.get("error")
     # X = Ĝ + E, in E's buffer (E ← X − P*(ĝ) below)   (error_feedback=False: X = Ĝ)
     fed = g if error is None else error.add_(g)
     # ĝ = P(X)
     low = project(fed, q, s.where)
     if error is not None:
         # E ← X − P*(ĝ)
-        error.sub_(lift(low, q, s.where, out=work))
-    u, v = s.buffers["exp_avg"], s.buffers["exp_avg_sq"]
-    # u ← β₁ u + (1 − β₁) ĝ,  v ← β₂ v + (1 − β₂) ĝ²     low-rank
-    adam_moments_(u, v, low, beta1, beta2)
-    # D = √(v / (1 − β₂ᵗ)) + ε                        low-rank, like u and v
-    d = adam_denominator(v, 1.0 - beta2 ** t, s.group["eps"])
+        error.sub_(lift(low, q, s.where, out=torch.empty_like(g)))
+    return low
+
+
+def low_rank_update_(s: Stack, params: list[torch.Tensor], g: torch.Tensor, d: torch.Tensor, t: int) -> None:
+    """θ ← θ − η [ω P*(u / ((1 − β₁ᵗ) D)) + (1 − ω) Ĝ / mean(D)] for every member, g = Ĝ
+    [n, p, rest] (`lordo_tensor.low_rank_step_`); weight decay already applied."""
+    lr, omega, work = s.group["lr"], s.group["omega"], torch.empty_like(g)
     if omega > 0.0:
         # θ ← θ − η ω P*(u / ((1 − β₁ᵗ) D))
-        add_to_params_(params, lift(u / d, q, s.where, out=work), alpha=-lr * omega / (1.0 - beta1 ** t))
+        scaled = lift(s.buffers["exp_avg"] / d, s.buffers["Q"], s.where, out=work)
+        add_to_params_(params, scaled, alpha=-lr * omega / (1.0 - s.group["betas"][0] ** t))
     if omega < 1.0:
         # θ ← θ − η (1 − ω) Ĝ / mean(D)
         coefficient = full_rank_coefficient(d.mean(dim=(1, 2)), lr, omega)
