@@ -18,7 +18,8 @@ from thinwire.compress.ef21_blocks import BlockLink, groupable
 from thinwire.compress.spec import parse_compressor
 
 SHAPES = [(64, 16), (16,), (16, 48), (48,), (16, 16), (16,), (16, 64), (64,), (64, 16), (16,), (40, 25), (7,), (3,)]
-DETERMINISTIC = ["topk:0.05", "topk:0.3", "topk:0.1+bf16", "topk:0.3+fp16", "identity", "identity+bf16"]
+DETERMINISTIC = ["topk:0.05", "topk:0.3", "topk:0.1+bf16", "topk:0.3+fp16", "topk:0.44+int8", "identity",
+                 "identity+bf16", "identity+int8"]
 PREFIX = 11                                    # the members' payloads start past a prefix, unaligned
 
 
@@ -72,7 +73,7 @@ def test_identity_bytes_are_the_per_tensor_bytes():
         assert torch.equal(payload[o: o + n], own)
 
 
-@pytest.mark.parametrize("spec", DETERMINISTIC + ["randk:0.2", "randk:0.1+natural", "natural"])
+@pytest.mark.parametrize("spec", DETERMINISTIC + ["randk:0.2", "randk:0.1+natural", "randk:0.3+int8", "natural"])
 def test_land_is_the_sum_of_every_ranks_decode_in_rank_order(spec):
     comp, link, offsets, sizes = _link(spec)
     rows, seeds = [], [3, 8, 13]
@@ -91,7 +92,7 @@ def test_land_is_the_sum_of_every_ranks_decode_in_rank_order(spec):
 
 
 def test_the_encoders_own_record_is_what_receivers_decode():
-    for spec in ("topk:0.05+natural", "randk:0.1+bf16", "topk:0.3"):
+    for spec in ("topk:0.05+natural", "randk:0.1+bf16", "topk:0.3", "topk:0.2+int8"):
         comp, link, offsets, sizes = _link(spec)
         payload = _encode(link, _flat(SHAPES, 2), offsets, sizes, seed=4)
         own, landed = torch.empty(link.numel), torch.empty(link.numel)
@@ -157,7 +158,8 @@ def test_natural_rounding_drawn_on_the_device_is_unbiased():
     assert torch.allclose(samples.mean(0), x.double(), rtol=0.05, atol=0.02)
 
 
-@pytest.mark.parametrize("spec", ["topk:0.05", "topk:0.3+natural", "randk:0.1", "identity+bf16", "natural"])
+@pytest.mark.parametrize("spec", ["topk:0.05", "topk:0.3+natural", "topk:0.44+int8", "randk:0.1", "identity+bf16",
+                                  "natural"])
 def test_encode_and_land_read_nothing_and_launch_the_same_for_more_tensors(spec):
     counts = []
     for repeat in (2, 5):                   # every block of two or more tensors (one is a view, not a cat)
@@ -174,7 +176,8 @@ def test_encode_and_land_read_nothing_and_launch_the_same_for_more_tensors(spec)
 
 
 def test_which_compressors_have_a_block_form():
-    assert all(groupable(parse_compressor(s)) for s in ("topk:0.1", "randk:0.1+fp16", "natural", "identity+bf16"))
-    assert not any(groupable(parse_compressor(s)) for s in ("topk:0.1+int8", "rank:2", "dct-topk:4:8", "identity+sign"))
+    assert all(groupable(parse_compressor(s)) for s in ("topk:0.1", "randk:0.1+fp16", "natural", "identity+bf16",
+                                                        "topk:0.1+int8"))
+    assert not any(groupable(parse_compressor(s)) for s in ("topk:0.1+2bit", "rank:2", "dct-topk:4:8", "identity+sign"))
     with pytest.raises(ValueError, match="block form"):
         BlockLink(parse_compressor("rank:2"), [(4, 4)], [0], "cpu")

@@ -26,9 +26,19 @@ BUILDS = {
     "ef21-muon-random": lambda ps: thinwire.EF21Muon(ps, lr=0.02, weight_decay=0.1, uplink="randk:0.05+natural",
                                                      downlink="topk:0.1+natural"),
     "ef21-muon-bf16": lambda ps: thinwire.EF21Muon(ps, lr=0.02),
+    "ef21-muon-harness": lambda ps: _harness(ps),
     "torch-adamw-foreach": step_audit.BUILDS["torch-adamw-foreach"],
 }
 EF21 = [name for name in BUILDS if name.startswith("ef21")]
+
+
+def _harness(ps):
+    """The training harness's EF21-Muon (thinwire.train.optimizers): spectral hidden matrices,
+    sign embeddings, rms gains, the top-44 % int8 uplink, replicated, weight decay."""
+    groups = [{"params": [p for p in ps[2:] if p.dim() == 2], "lmo": "spectral"},
+              {"params": ps[:2], "lmo": "sign", "lr": 3e-3}, {"params": [p for p in ps if p.dim() < 2], "lmo": "rms"}]
+    return thinwire.EF21Muon(groups, lr=0.02, beta=0.3, weight_decay=0.1, uplink="topk:0.44+int8",
+                             topology="replicated")
 DTYPES = {"ef21-muon-bf16": torch.bfloat16}
 
 

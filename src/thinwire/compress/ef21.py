@@ -16,6 +16,12 @@ Interface: the compressor protocol (`thinwire.compress.protocol.Compressor`:
 (the canonical spec string, `thinwire.compress.spec`), `lossless` and `alpha(shape)`.
 `seed` feeds the compressor's randomness (Rand-K indices, natural rounding); sender and
 receivers pass the same seed.
+
+These are the per-tensor forms: `decode` checks what it read on the host (ValueError for a
+malformed payload: a host read per call). EF21-Muon runs Identity, Top-K and Rand-K with a
+float or natural value stage over all its tensors at once, in the same bytes, with the checks
+on the device and the draws on the tensors' device (`thinwire.compress.ef21_blocks`); the
+other compressors run tensor by tensor through these.
 """
 
 from __future__ import annotations

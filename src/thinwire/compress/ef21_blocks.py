@@ -51,7 +51,7 @@ def groupable(comp) -> bool:
 class Block(NamedTuple):
     """The tensors of one size d: their members (indices into the link's members), K kept
     per row, the index coding (None: no index bytes) and value stage, and where their bytes
-    sit in the blocks' layout (`at`: index rows, then each value part's rows)."""
+    sit in the blocks' layout (`at`: their index rows, their values' span)."""
     members: list[int]
     d: int
     k: int
@@ -113,32 +113,34 @@ class BlockLink:
         at = -(-at // 8) * 8                                            # value rows aligned for float views
         self.values_at = at
         for (members, d, k, coding, values, kept_slice), first in zip(specs, index_at):
-            parts = [first]
-            for part in values.parts:
-                parts.append(at)
-                at += len(members) * part
-            self.blocks.append(Block(members, d, k, coding, values, parts, kept_slice))
+            at = -(-at // values.align) * values.align
+            self.blocks.append(Block(members, d, k, coding, values, [first, at], kept_slice))
+            at += len(members) * values.nbytes
         self.nbytes = -(-at // 8) * 8
         self._positions()
 
     def _positions(self) -> None:
         """Per kept value: its row's first element in the flat buffer (`base`), its row's
-        size (`limit`), and for Identity blocks its position in the row (`rel`, fixed)."""
+        last position (`last`), and for Identity blocks its position in the row (`rel`, fixed)."""
         base = torch.empty(self.kept, dtype=torch.int64)
-        limit = torch.empty(self.kept, dtype=torch.int64)
+        last = torch.empty(self.kept, dtype=torch.int64)
         rel = torch.zeros(self.kept, dtype=torch.int64)
         for b in self.blocks:
             starts = torch.tensor([self.starts[i] for i in b.members], dtype=torch.int64)
             base[b.kept] = starts.repeat_interleave(b.k)
-            limit[b.kept] = b.d
+            last[b.kept] = b.d - 1
             if b.indices is None and self.kind == "identity":
                 rel[b.kept] = torch.arange(b.d).repeat(len(b.members))
-        self.base, self.limit, self.rel = (t.to(self.device) for t in (base, limit, rel))
+        self.base, self.last, self.rel = (t.to(self.device) for t in (base, last, rel))
 
     def _row_pieces(self, b: Block, j: int) -> list[tuple[int, int]]:
         """(place in the blocks' layout, length) of member row j's pieces, in wire order."""
         pieces = [] if b.indices is None else [(b.at[0] + j * b.indices.row_nbytes, b.indices.nbytes)]
-        return pieces + [(at + j * part, part) for at, part in zip(b.at[1:], b.values.parts)]
+        at, rows = b.at[1], len(b.members)
+        for part in b.values.parts:                                     # each part's rows, part after part
+            pieces.append((at + j * part, part))
+            at += rows * part
+        return pieces
 
     def _maps(self, offsets) -> None:
         """`send`: for each payload byte of the members, its place in the blocks' layout;
@@ -237,14 +239,14 @@ class BlockLink:
     def _encode_values(self, values: torch.Tensor, stage: torch.Tensor, value_seed: int) -> None:
         first = self.blocks[0].values
         if first.is_float:                                  # every block's values in one region
-            first.stage.codec.encode(values.view(1, -1), out=stage[self.values_at: self.values_at + self.kept *
-                                                                   first.parts[0] // first.k])
+            first.encode(values.view(1, -1), stage[self.values_at: self.values_at + self.kept * first.nbytes // first.k],
+                         None)
             return
         gen = device_generator(value_seed, values.device)
         for b in self.blocks:
             rows = len(b.members)
-            outs = [stage[at: at + rows * part] for at, part in zip(b.at[1:], b.values.parts)]
-            b.values.encode(values[b.kept].view(rows, b.k), outs, gen)
+            span = stage[b.at[1]: b.at[1] + rows * b.values.nbytes]
+            b.values.encode(values[b.kept].view(rows, b.k), span, gen)
 
     # ---- land ------------------------------------------------------------------------------
     def land(self, rows: torch.Tensor, index_seeds: list[int], out: torch.Tensor) -> torch.Tensor:
@@ -300,8 +302,8 @@ class BlockLink:
                 for r, gen in enumerate(gens):
                     rel[r, b.kept].view(rows, b.k).copy_(self._draw(b, gen, landing.device))
         if self.kind == "topk" and any(b.indices.coding == "packed" for b in self.blocks):
-            flags.append(rel.ge(self.limit).any())
-            torch.minimum(rel, self.limit - 1, out=rel)       # a malformed index lands in its own tensor
+            flags.append(rel.gt(self.last).any())
+            torch.minimum(rel, self.last, out=rel)            # a malformed index lands in its own tensor
         values = self._values(landing)
         flags.append(checks.nonfinite(values))
         return rel + self.base, values, flags
@@ -309,12 +311,11 @@ class BlockLink:
     def _values(self, landing: torch.Tensor) -> torch.Tensor:
         world, first = landing.shape[0], self.blocks[0].values
         if first.is_float:
-            size = first.parts[0] // first.k
+            size = first.nbytes // first.k
             region = landing[:, self.values_at: self.values_at + self.kept * size]
             return region.view(first.stage.codec.dtype).float()
         pieces = []
         for b in self.blocks:
-            rows = world * len(b.members)
-            parts = [landing[:, at: at + len(b.members) * part] for at, part in zip(b.at[1:], b.values.parts)]
-            pieces.append(b.values.decode(parts, rows).view(world, -1))
+            span = landing[:, b.at[1]: b.at[1] + len(b.members) * b.values.nbytes]
+            pieces.append(b.values.decode(span, len(b.members)).view(world, -1))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)

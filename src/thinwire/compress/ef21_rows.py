@@ -6,7 +6,8 @@ of every block into one message.
     RowIndices    K positions per row: 'packed' (K indices of index_width(d) bits, any order)
                   or 'bitmap' (d bits; positions ascending), as TopK sends them
     RowValues     K values per row in a value stage: 'fp32', 'bf16', 'fp16' (the float codec
-                  over all rows at once) or 'natural' (a row's sign bits, then its exponents)
+                  over all rows at once), 'int8' (the codec over the rows: a scale per row) or
+                  'natural' (the rows' sign bits, then their exponents)
     device_generator  a generator on the tensors' device, seeded alike on every rank
 
 Packed indices are packed with each row padded to whole bit groups (`_group`), so a row's
@@ -23,11 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from ..wire import pack_bits, pack_flags, packed_nbytes, unpack_bits, unpack_flags
-from .value_stages import CodecStage
 
 _MANTISSA = 1 << 23
 FLOAT_STAGES = ("fp32", "bf16", "fp16")
-ROW_STAGES = FLOAT_STAGES + ("natural",)
+ROW_STAGES = FLOAT_STAGES + ("int8", "natural")
 
 
 def device_generator(seed: int, device) -> torch.Generator:
@@ -85,8 +85,11 @@ class RowIndices:
 
 
 class RowValues:
-    """K values per row in a value stage: its `parts` (bytes per row of each consecutive part
-    of a row's value bytes), `encode` and `decode` over [R, K]."""
+    """K values per row in a value stage. A block's value bytes are its rows' first parts,
+    then their second parts (`parts`: a row's bytes of each), in one span of R · `nbytes`:
+    a float stage one part (the codec over the rows at once), 'int8' the codec's own layout
+    (R scales, then the rows' bytes: a scale per row, each row's bytes the per-tensor codec's),
+    'natural' the rows' sign bits (padded to whole bytes), then their exponents."""
 
     def __init__(self, stage, k: int):
         self.stage, self.k, self.name = stage, k, stage.name
@@ -94,36 +97,43 @@ class RowValues:
             raise ValueError(f"no row form of the value stage {self.name!r}")
         if self.name == "natural":
             self.parts = [packed_nbytes(k, 1), k]                          # sign bits, exponents
+        elif self.name == "int8":
+            self.parts = [4, k]                                            # float32 scale, int8 values
         else:
             self.parts = [stage.nbytes(k)]
+        self.nbytes = sum(self.parts)
+        self.align = 4 if self.name == "int8" else 1                       # where a block's span starts
 
     @property
     def is_float(self) -> bool:
-        return isinstance(self.stage, CodecStage)
+        return self.name in FLOAT_STAGES
 
-    def encode(self, v: torch.Tensor, outs: list[torch.Tensor], gen: torch.Generator | None) -> None:
-        """v [R, K] -> each part's bytes [R · part] into `outs` (contiguous uint8). 'natural'
-        rounds up with probability (|v| − 2^e) / 2^e, drawn from `gen` on v's device."""
-        if self.is_float:
-            self.stage.codec.encode(v.reshape(1, -1), out=outs[0])
-            return
+    def encode(self, v: torch.Tensor, out: torch.Tensor, gen: torch.Generator | None) -> None:
+        """v [R, K] -> out, R · nbytes contiguous uint8. 'natural' rounds up with probability
+        (|v| − 2^e) / 2^e, drawn from `gen` on v's device."""
         rows = v.shape[0]
+        if self.name != "natural":
+            self.stage.codec.encode(v, out=out)
+            return
         v = v.float().contiguous()
         bits = v.view(torch.int32)
         exponent = (bits >> 23) & 0xFF
         draws = torch.randint(0, _MANTISSA, v.shape, generator=gen, dtype=torch.int32, device=v.device)
         up = (draws < (bits & (_MANTISSA - 1))) & (exponent < 255)
-        outs[1].view(rows, self.k).copy_(exponent.add_(up))
+        out[rows * self.parts[0]:].view(rows, self.k).copy_(exponent.add_(up))
         signs = v >= 0
         if 8 * self.parts[0] > self.k:
             signs = F.pad(signs, (0, 8 * self.parts[0] - self.k))
-        pack_flags(signs, out=outs[0])
+        pack_flags(signs, out=out[: rows * self.parts[0]])
 
-    def decode(self, parts: list[torch.Tensor], rows: int) -> torch.Tensor:
-        """Each part's bytes ([..., part] per row, `rows` rows in all) -> float32 [rows, K]."""
+    def decode(self, buf: torch.Tensor, members: int) -> torch.Tensor:
+        """buf [W, members · nbytes] (each rank's span) -> float32 [W · members, K]."""
+        rows, cut = buf.shape[0] * members, members * self.parts[0]
         if self.is_float:
-            codec = self.stage.codec
-            return parts[0].reshape(-1).view(codec.dtype).view(rows, self.k).float()
-        signs = unpack_flags(parts[0].reshape(-1), rows * 8 * self.parts[0]).view(rows, -1)[:, :self.k]
-        magnitude = (parts[1].reshape(rows, self.k).to(torch.int32) << 23).view(torch.float32)  # 0 -> 0.0, 255 -> inf
+            return buf.reshape(-1).view(self.stage.codec.dtype).view(rows, self.k).float()
+        if self.name == "int8":                                            # as Int8Codec decodes a row
+            scale = buf[:, :cut].view(torch.float32).reshape(rows, 1)
+            return buf[:, cut:].reshape(rows, self.k).view(torch.int8).float().mul_(scale).div_(127)
+        signs = unpack_flags(buf[:, :cut].reshape(-1), rows * 8 * self.parts[0]).view(rows, -1)[:, :self.k]
+        magnitude = (buf[:, cut:].reshape(rows, self.k).to(torch.int32) << 23).view(torch.float32)  # 0 -> 0.0, 255 -> inf
         return torch.where(signs, magnitude, magnitude.neg())

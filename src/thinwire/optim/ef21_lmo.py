@@ -106,8 +106,8 @@ class LmoPlan:
         for shape, members in self.spectral.items():
             batch = torch.stack([self._view(low, j, matrix=True) for j in members])
             ns = orthogonalize_batch(batch)
-            if ns.dtype != x.dtype:
-                ns = ns.to(x.dtype)                                         # exact: added as x.add_ adds bf16
+            if ns.dtype != x.dtype or not ns.is_contiguous():               # exact: added as x.add_ adds bf16;
+                ns = ns.to(x.dtype, memory_format=torch.contiguous_format)  # in X's layout (foreach's fast path)
             scale = muon_scale(shape)
             by_group: dict[int, tuple[float, list, list]] = {}
             for b, j in enumerate(members):
