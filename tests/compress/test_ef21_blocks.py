@@ -181,3 +181,23 @@ def test_which_compressors_have_a_block_form():
     assert not any(groupable(parse_compressor(s)) for s in ("topk:0.1+2bit", "rank:2", "dct-topk:4:8", "identity+sign"))
     with pytest.raises(ValueError, match="block form"):
         BlockLink(parse_compressor("rank:2"), [(4, 4)], [0], "cpu")
+
+
+@pytest.mark.parametrize("spec", ["topk:0.05", "identity+bf16", "natural"])
+def test_members_whose_bytes_are_apart_are_written_in_place_and_nothing_between(spec):
+    """A link over every other member's payload (another dtype's link holds the rest): its
+    bytes land where the per-tensor format puts them, the gaps stay as they were."""
+    comp = parse_compressor(spec)
+    sizes = [comp.payload_nbytes(s) for s in SHAPES]
+    offsets = [PREFIX + sum(sizes[:i]) for i in range(len(sizes))]
+    mine = list(range(0, len(SHAPES), 2))
+    link = BlockLink(comp, [SHAPES[i] for i in mine], [offsets[i] for i in mine], "cpu")
+    xs = _flat([SHAPES[i] for i in mine], 7)
+    payload = torch.full((PREFIX + sum(sizes),), 0xAB, dtype=torch.uint8)
+    link.encode(torch.cat([x.reshape(-1) for x in xs]), payload, 5, 6)
+    landed = torch.empty(sum(x.numel() for x in xs))
+    link.land(payload[None], [5], landed)
+    assert torch.equal(landed, torch.cat([comp.decode(payload[offsets[i]: offsets[i] + sizes[i]], SHAPES[i]).reshape(-1)
+                                          for i in mine]))
+    for i in range(1, len(SHAPES), 2):
+        assert bool((payload[offsets[i]: offsets[i] + sizes[i]] == 0xAB).all())

@@ -123,3 +123,25 @@ def test_a_loaded_state_is_what_the_next_step_starts_from():
                 p.grad = g.clone()
             opt.step()
     assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+def test_parameters_of_two_dtypes_step_as_two_optimizers_of_one_dtype_each():
+    """Each parameter's equations stand alone (Top-K and identity draw nothing): a model of
+    float32 and bf16 parameters (two families, their bytes interleaved in one message) takes
+    the steps that one optimizer per dtype takes."""
+    torch.manual_seed(0)
+    values = [torch.randn(8, 6), torch.randn(6).bfloat16(), torch.randn(6, 8).bfloat16(), torch.randn(8)]
+    mixed = [torch.nn.Parameter(v.clone()) for v in values]
+    apart = [torch.nn.Parameter(v.clone()) for v in values]
+    kw = dict(lr=0.05, beta=0.5, weight_decay=0.1, uplink="topk:0.3", downlink="identity+bf16")
+    opts = [EF21Muon(mixed, **kw), EF21Muon(apart[0::3], **kw), EF21Muon(apart[1:3], **kw)]
+    assert len(opts[0]._plan(opts[0].layout()).families) == 2
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        grads = [torch.randn(v.shape, generator=gen).to(v.dtype) for v in values]
+        for ps in (mixed, apart):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+        for opt in opts:
+            opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(mixed, apart))
