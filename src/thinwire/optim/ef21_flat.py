@@ -54,8 +54,8 @@ class Seeds(NamedTuple):
 
 
 class MemberLink:
-    """A compressor without a block form (rank-K, DCT-Top-K, a value stage with a scale):
-    the per-tensor compressor on each member, with the per-tensor path's seeds."""
+    """A compressor without a block form (rank-K, DCT-Top-K, 'sign' or '2bit' values): the
+    per-tensor compressor on each member, with the per-tensor path's seeds and host checks."""
 
     def __init__(self, comp, shapes, offsets, indices: list[int]):
         self.comp, self.shapes, self.offsets, self.indices = comp, shapes, offsets, indices

@@ -31,7 +31,7 @@ adjust_lr_fn='original') bit for bit (whenever 1 − (1 − b) == b in floating 
 
 Topologies: 'server' — rank 0 is also the server: one `gather` of the uplink messages to
 rank 0, which alone holds G and X, and one `broadcast` of the compressed S
-(`thinwire.optim.exchange.ServerRelay`). 'replicated' — one `all_gather` (`GatherAll`);
+(`thinwire.optim.ef21_relay.DeviceRelay`: ServerRelay judging on the device). 'replicated' — one `all_gather` (`GatherAll`);
 every rank runs the server step identically (deterministic, rank order) and applies S
 itself, so there is no downlink traffic but W still moves only by C(X − W). Both give the
 same W bit for bit. Comm stats tag the uplink 'payload' and the downlink 'downlink'.
@@ -61,8 +61,8 @@ message. Same arithmetic as the per-tensor equations, bit for bit on CPU (the su
 ranks but for the sign of a zero); on a GPU a batched GEMM or top-k may sum or break ties
 otherwise. The random streams are the device's, one per link, step and sender (not one per
 tensor): Rand-K's positions and natural rounding are drawn otherwise than before, with the
-same distributions. Compressors without a block form (rank-K, DCT-Top-K, value stages with a
-scale: int8, sign, 2bit) run tensor by tensor, and DCT-Top-K and rank-K's checks read the host.
+same distributions. Compressors without a block form (rank-K, DCT-Top-K, the 'sign' and
+'2bit' value stages) run tensor by tensor, as before, and their checks read the host.
 
 Two tiers (FSDP2 shards, `process_group` = the group across sites): M_j, G_j, G, X, the
 compressors and W ← W + S run on this rank's shard; the LMO is defined on the whole matrix,
