@@ -122,6 +122,20 @@ class Link:
             self.impl.forget()
 
 
+class Flats(dict):
+    """A family's flat buffers by kind (`WORKER`, `SERVER`, and the scratch: 'fresh', 'grads',
+    'next_estimate', 'next_model', 'weights'), each made, zeroed, when first asked for: a
+    worker holds no server buffers, a lossless float32 downlink needs no 'weights'."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.numel, self.dtype, self.device = numel, dtype, device
+
+    def __missing__(self, kind: str) -> torch.Tensor:
+        flat = self[kind] = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        return flat
+
+
 class Family:
     """The layout members (`members`: their indices) of one device and dtype: flat state, its
     views, the links, and each param group's range (`groups`: (group, start, stop))."""
@@ -139,9 +153,7 @@ class Family:
                 self.groups[-1][2] = self.spans[j].stop
             else:
                 self.groups.append([group, self.spans[j].start, self.spans[j].stop])
-        kinds = WORKER + (SERVER + ("next_estimate", "next_model") if server else ())
-        self.flats = {kind: torch.zeros(n, dtype=self.dtype, device=self.device)
-                      for kind in kinds + ("fresh", "grads", "weights")}
+        self.flats = Flats(n, self.dtype, self.device)
         self.dense = torch.zeros(n, device=self.device)            # Σ_j R_j, then R_j
         self.shift = torch.zeros(n, device=self.device)            # S, decoded
         self.up = Link(uplink, self.shapes, [ups[i].start for i in members], members, self.device)
@@ -151,7 +163,7 @@ class Family:
     def views(self, kind: str) -> list[torch.Tensor]:
         """Each member's view of the flat buffer `kind`, in its parameter's shape (made once)."""
         if kind not in self._views:
-            flat = self.flats[kind] if kind in self.flats else getattr(self, kind)
+            flat = getattr(self, kind) if kind in ("dense", "shift") else self.flats[kind]
             self._views[kind] = [flat[s.start: s.stop].view(shape) for s, shape in zip(self.spans, self.shapes)]
         return self._views[kind]
 
