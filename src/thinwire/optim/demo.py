@@ -20,9 +20,15 @@ alpha=1, base='signum', values='fp32', momentum_form='reference' and one worker 
 reference step for step (momentum_domain='param' operation by operation; the default keeps
 T(M) instead, which agrees to float rounding). Differences from the reference, each for a
 reason: the aggregate averages over all ranks (aggregate='senders' gives the reference's
-mean-over-senders); a dimension with no divisor in [chunk/2, chunk] is zero-padded rather
-than chunked by 1; indices travel bit-packed and values in `values` precision; all
-parameters share one all-gathered message (`GatherAll`); the momentum lives in `self.state[p]['momentum']`.
+mean-over-senders); a dimension with no divisor in [chunk/2, chunk] is zero-padded up to a
+multiple of chunk, where the reference cuts it by its largest divisor <= chunk (130 at chunk 64:
+chunks of 26 there, 130 padded to 192 in chunks of 64 here; a prime: chunks of 1 there), and
+every other dimension is chunked alike; indices travel bit-packed and values in `values`
+precision; all parameters share one all-gathered message (`GatherAll`); the momentum lives in
+`self.state[p]['momentum']`. The reference's DeMo(params, lr=η, compression_decay=β,
+compression_topk=k, compression_chunk=c, weight_decay=λ) is DeMo(params, lr=η, beta=β, topk=k,
+chunk=c, weight_decay=λ, values='fp32', momentum_form='reference', aggregate='senders') here
+(docs/coming-from.md; tests/optim/test_demo_reference.py, tests/test_coming_from.py).
 
 The hot path runs once per group of parameters of one chunk geometry (one flat momentum, one
 batched transform, top-k, pack and decode per group, `_foreach_*` updates:

@@ -55,10 +55,18 @@ Where this differs from the paper's reference code (tplr's sparseloco.py):
   * 2-bit values: four levels per tensor (the means of its bins, statistics in float64) instead
     of the reference's shift and four bin means of the centred values in float32: the same
     levels up to rounding, one float fewer (`thinwire.wire.twobit`); codes are bit-packed.
-  * outer learning rate: the reference scales e's input by α as well (e ← β e + α Δ before
-    p ← p − α Δ̄); the paper's equations, implemented here, do not. With α = 1 they agree.
-  * chunks: a dimension with no divisor in [chunk/2, chunk] is zero-padded (the reference
-    takes its largest divisor ≤ chunk, which is 1 for a prime: every element sent).
+  * outer learning rate: the reference scales e's input by its learning rate a as well
+    (e ← β e + a Δ before p ← p − a Δ̄, its outer optimizer plain SGD at lr a); the paper's
+    equations, implemented here, do not. Its e is therefore a times this one (top-k picks the
+    same positions, and the 2-bit levels scale with their input), so its step a · a Δ̄ is
+    outer_lr = a² here: Templar at a is SparseLoCo(..., outer_lr=a**2) (to float rounding;
+    tests/test_coming_from.py). With a = 1 they agree.
+  * chunks: a dimension with no divisor in [chunk/2, chunk] is zero-padded up to a multiple of
+    chunk (the reference takes its largest divisor ≤ chunk: 130 → chunks of 26 at chunk 64, a
+    prime → chunks of 1, every element sent).
+  * 8-bit values: the reference's TopKCompressor defaults to its statistical quantizer with 256
+    levels (the 2-bit one is the same with 4); values='int8' here is absmax per chunk (a float32
+    scale per chunk, codes in [−127, 127]), another quantizer at about the same bytes.
   * k keeps the density on smaller chunks with transform='dct' too (the reference scales k
     only on its identity path).
   * indices are ceil(log2 E)-bit packed and everything travels in one all-gathered buffer (the
