@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
 CANDIDATES_PER_KEPT = 8       # two-level selection when a row holds >= this many groups per kept value
@@ -10,6 +13,10 @@ CANDIDATES_PER_KEPT = 8       # two-level selection when a row holds >= this man
 def largest_indices(magnitude: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest entries along the last dim of a non-negative tensor, in no
     particular order: the set of `magnitude.topk(k, dim=-1, sorted=False).indices`.
+
+    On CUDA, a float32 row of up to 16,384 values goes to one Triton program that reads it once
+    (`select_triton`; where Triton is installed and THINWIRE_TRITON is not "0"); its indices
+    come out ascending, and among values equal to the k-th largest it takes the lowest indices.
 
     On CPU, a contiguous float32 tensor is read as int32: non-negative float32 values (inf and
     NaN included; -0.0 excluded, which |x| never gives) order exactly as their IEEE-754 bit
@@ -22,7 +29,24 @@ def largest_indices(magnitude: torch.Tensor, k: int) -> torch.Tensor:
         group = _group_size(magnitude.shape[-1], k)
         if group > 1:
             return _two_level(magnitude.reshape(-1, magnitude.shape[-1]), k, group).view(*magnitude.shape[:-1], k)
+    if magnitude.is_cuda:
+        kernel = _triton_select()
+        if kernel is not None and kernel.supported(magnitude, k):
+            return kernel.row_largest(magnitude, k)
     return magnitude.topk(k, dim=-1, sorted=False).indices
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_select():
+    """The Triton selection module, or None: Triton is optional (CUDA builds of torch ship it;
+    a CPU install has none), and THINWIRE_TRITON=0 turns it off."""
+    if os.environ.get("THINWIRE_TRITON", "1") == "0":
+        return None
+    try:
+        from . import select_triton
+    except ImportError:
+        return None
+    return select_triton
 
 
 def _group_size(n: int, k: int) -> int:
