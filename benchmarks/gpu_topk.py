@@ -1,13 +1,13 @@
 """The chunked compressors' two heavy kernels on a GPU, variant by variant: selecting the k
 largest of each 4,096-value chunk, and the chunk transform (DCT) that comes before it.
 
-    python benchmarks/gpu_topk.py [--params 124e6,1.3e9] [--k 32,64] [--reps 20]
+    python benchmarks/gpu_topk.py [--params 124e6,1.3e9] [--k 32,64] [--reps 20] [--parts select,transform]
 
 Selection, on [rows, 4096] float32 magnitudes (rows = params / 4096):
   topk-float   torch.topk(sorted=False), what the CUDA path ran before
   topk-int32   the same on the int32 view (non-negative float32 orders as its bits)
-  two-level    ops.select._two_level on the int32 view (the CPU path's)
-  triton       ops.select_triton.row_largest: one program per row, one read (ascending)
+  two-level    ops.select._two_level on the int32 view, at four group sizes g
+  triton       ops.select_triton.row_largest at 1 to 16 warps a row: one read (ascending)
   topk+sort    topk-float then the ascending sort Elias-Fano coding needs (triton's is free)
 Transform, on an image [rows · 64, 64 · cols] float32, 64 × 64 chunks (P X Pᵀ per chunk):
   mm+bmm fp32 / tf32 / bf16  the grouped path's two GEMMs at each matmul precision
@@ -67,16 +67,19 @@ def kth_values(mag: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 def selection_variants(k: int):
     from thinwire.ops import select_triton as st
 
-    def two_level(m):
-        g = _group_size(m.shape[-1], k)
-        return _two_level(m.view(torch.int32), k, g) if g > 1 else m.view(torch.int32).topk(k, sorted=False).indices
-    return {
+    def two_level(g):
+        return lambda m: _two_level(m.view(torch.int32), k, g)
+    variants = {
         "topk-float": lambda m: m.topk(k, dim=-1, sorted=False).indices,
         "topk-int32": lambda m: m.view(torch.int32).topk(k, dim=-1, sorted=False).indices,
-        "two-level": two_level,
-        "triton": lambda m: st.row_largest(m, k),
         "topk+sort": lambda m: m.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values,
     }
+    default = _group_size(CHUNK * CHUNK, k)
+    for g in sorted({default // 2, default, 2 * default, 4 * default}):
+        variants[f"two-level g {g}" + (" (default)" if g == default else "")] = two_level(g)
+    for warps in (1, 2, 4, 8, 16):
+        variants[f"triton {warps} warps"] = (lambda w: lambda m: st.row_largest(m, k, w))(warps)
+    return variants
 
 
 def bench_selection(rows: int, k: int, reps: int, rate: float, device) -> None:
@@ -135,6 +138,7 @@ def main() -> None:
     parser.add_argument("--params", default="124e6,1.3e9")
     parser.add_argument("--k", default="32,64")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--parts", default="select,transform")
     args = parser.parse_args()
     device = torch.device("cuda")
     rate = copy_rate(device)
@@ -142,9 +146,10 @@ def main() -> None:
     print("| kernel | size | variant | ms (median) | memory floor ms | check |\n|---|---|---|---|---|---|")
     for params in (float(p) for p in args.params.split(",")):
         rows = int(params) // (CHUNK * CHUNK) // 12 * 12           # whole 768-column row blocks
-        for k in (int(v) for v in args.k.split(",")):
+        for k in (int(v) for v in args.k.split(",")) if "select" in args.parts else ():
             bench_selection(rows, k, args.reps, rate, device)
-        bench_transform(rows, int(args.k.split(",")[0]), args.reps, rate, device)
+        if "transform" in args.parts:
+            bench_transform(rows, int(args.k.split(",")[0]), args.reps, rate, device)
         torch.cuda.empty_cache()
 
 

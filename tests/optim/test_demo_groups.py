@@ -71,9 +71,21 @@ def test_low_precision_groups_round_where_the_per_tensor_path_rounds(kw, dtypes,
     for p, q in zip(ours, ref):
         assert p.dtype == q.dtype and torch.equal(p, q)
         assert opt.state[p]["momentum"].dtype == torch.float32
-        assert torch.equal(opt.state[p]["momentum"], ref_opt.state[q]["momentum"])
+        _assert_same_momentum(opt.state[p]["momentum"], ref_opt.state[q]["momentum"], device)
     for a, b in zip(sent, ref_sent):
         assert torch.equal(a, b)
+
+
+def _assert_same_momentum(ours: torch.Tensor, ref: torch.Tensor, device: str) -> None:
+    """Bit for bit on CPU. On CUDA, cuBLAS picks its GEMM kernel by the problem's shape, and a
+    group's stacked transform is another shape than a tensor's own: on an H200 the momenta of
+    the (64, 64, 64) group's members differed from the per-tensor path's by at most 4e-9
+    (about 1e-6 of their size) in float32 and bf16 alike, while parameters and messages stayed
+    bit for bit. There the momenta must agree to float32 rounding of the transform."""
+    if device == "cpu":
+        assert torch.equal(ours, ref)
+    else:
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-7)
 
 
 def test_a_padded_column_shape_stays_on_the_per_tensor_path():

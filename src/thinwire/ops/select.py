@@ -14,32 +14,35 @@ def largest_indices(magnitude: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest entries along the last dim of a non-negative tensor, in no
     particular order: the set of `magnitude.topk(k, dim=-1, sorted=False).indices`.
 
-    On CUDA, a float32 row of up to 16,384 values goes to one Triton program that reads it once
-    (`select_triton`; where Triton is installed and THINWIRE_TRITON is not "0"); its indices
-    come out ascending, and among values equal to the k-th largest it takes the lowest indices.
-
-    On CPU, a contiguous float32 tensor is read as int32: non-negative float32 values (inf and
-    NaN included; -0.0 excluded, which |x| never gives) order exactly as their IEEE-754 bit
+    A contiguous float32 tensor is read as int32: non-negative float32 values (inf and NaN
+    included; -0.0 excluded, which |x| never gives) order exactly as their IEEE-754 bit
     patterns read as int32, and torch's CPU top-k is about 20 % faster on int32 (4.7 vs 5.9 ns
     per element, one thread, rows of 4096, k = 58). A long row is then selected in two levels
-    (`_two_level`). Among equal values the choice may differ from the float path's.
+    (`_two_level`): on an H200, 14.0 against 18.7 ms for 317,376 rows of 4,096 with k = 32
+    (the chunks of 1.3B parameters), 17.3 against 18.8 with k = 64. Among equal values the
+    choice may differ from the float path's.
+
+    On CUDA, where Triton is installed (CUDA builds of torch ship it) and THINWIRE_TRITON is
+    not "0", float32 rows of up to 16,384 values go to a Triton kernel instead
+    (`select_triton`: one program per row, ascending indices, the lowest among ties): 12.6 ms
+    for those rows with k = 32 and 12.7 with k = 64, on the same H200.
     """
-    if magnitude.dtype == torch.float32 and magnitude.device.type == "cpu" and magnitude.is_contiguous():
+    if magnitude.dtype == torch.float32 and magnitude.is_contiguous():
+        if magnitude.is_cuda:
+            kernel = _triton_select()
+            if kernel is not None and kernel.supported(magnitude, k):
+                return kernel.row_largest(magnitude, k)
         magnitude = magnitude.view(torch.int32)
         group = _group_size(magnitude.shape[-1], k)
         if group > 1:
             return _two_level(magnitude.reshape(-1, magnitude.shape[-1]), k, group).view(*magnitude.shape[:-1], k)
-    if magnitude.is_cuda:
-        kernel = _triton_select()
-        if kernel is not None and kernel.supported(magnitude, k):
-            return kernel.row_largest(magnitude, k)
     return magnitude.topk(k, dim=-1, sorted=False).indices
 
 
 @functools.lru_cache(maxsize=None)
 def _triton_select():
-    """The Triton selection module, or None: Triton is optional (CUDA builds of torch ship it;
-    a CPU install has none), and THINWIRE_TRITON=0 turns it off."""
+    """The Triton selection module where Triton is installed (CUDA builds of torch ship it; a
+    CPU install has none) and THINWIRE_TRITON is not "0", else None."""
     if os.environ.get("THINWIRE_TRITON", "1") == "0":
         return None
     try:
