@@ -24,7 +24,7 @@ import torch
 
 from .base import CommunicatingOptimizer, Member, flatten_grads
 from .exchange import ReduceAll
-from .flat import same_place, views
+from .flat import reuse, same_place, views
 from .shards import set_grad
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
@@ -137,10 +137,8 @@ class DenseAllReduce(CommunicatingOptimizer):
     def _narrow(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A buffer shaped like `flat` in `dtype`, kept across steps: gradients of that dtype go
         in through it (`flatten_grads`) and their means come out through it (`_copy_means`)."""
-        buf = self._rounded.get(dtype)
-        if buf is None or buf.shape != flat.shape or buf.device != flat.device:
-            buf = self._rounded[dtype] = torch.empty_like(flat, dtype=dtype)
-        return buf
+        self._rounded[dtype] = reuse(self._rounded.get(dtype), flat.numel(), flat.device, dtype)
+        return self._rounded[dtype].view(flat.shape)
 
     def _copy_means(self, grads: list[torch.Tensor], means: list[torch.Tensor], flat: torch.Tensor) -> None:
         """grads ← means (views of the flat mean `flat`), one fused copy per gradient dtype:

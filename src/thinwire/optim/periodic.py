@@ -68,7 +68,8 @@ from ..comm import DeltaCodec
 from ..comm.collectives import DELTA_WIRES
 from .base import CommunicatingOptimizer, Member
 from .exchange import GatherAll, ReduceAll
-from .flat import Span, same_place, spans
+from .flat import Span, reuse, spans
+from .outer_math import OuterFlats, low_dtype, nesterov_outer_all_, write_deltas_flat
 
 
 class Slot(NamedTuple):
@@ -109,64 +110,6 @@ def check_wire(wire) -> str:
     if wire not in DELTA_WIRES:
         raise ValueError(f"wire must be one of {DELTA_WIRES}, got {wire!r}")
     return wire
-
-
-def write_deltas(outs: list[torch.Tensor], params: list[torch.Tensor], anchors: list[torch.Tensor]) -> None:
-    """Δ = θ − θ₀ of every parameter into `outs` (float32, contiguous, each its param's shape),
-    each in float32 (exact for bf16 θ), as two grouped ops."""
-    torch._foreach_copy_(outs, params)
-    torch._foreach_sub_(outs, anchors)
-
-
-class OuterFlats(NamedTuple):
-    """Flat buffers for `nesterov_outer_all_` with low-precision anchors: Δ̄ (the parts are
-    views of it), h (float32, its size) and `low` (its size, in the anchors' dtype)."""
-    mean: torch.Tensor
-    h: torch.Tensor
-    low: torch.Tensor
-
-
-def nesterov_outer_all_(xs: list[torch.Tensor], mean_deltas: list[torch.Tensor], bufs: list[torch.Tensor] | None,
-                        lr: float, momentum: float, skip: torch.Tensor | None = None,
-                        flats: OuterFlats | None = None) -> None:
-    """`ops.nesterov_outer_` of every parameter with g = −Δ̄, as grouped ops with the same
-    results: g = −Δ̄;  b ← μ b + g;  x ← x − η (g + μ b) (b None or μ = 0: x ← x − η g).
-    Negation is exact and rounding symmetric, so the signs are folded in: b ← μ b − Δ̄,
-    h = Δ̄ − μ b = −(g + μ b), x ← x + η h, bit for bit the same as with g.
-    `skip` (0-dim bool on the device; Δ̄ must then be 0): b and x stay as they are.
-    A low-precision x takes h rounded to its dtype (as per tensor): with `flats`, h lives in
-    one flat buffer and is rounded in one copy, since torch's foreach ops loop tensor by
-    tensor over mixed dtypes."""
-    hs, flat = mean_deltas, None if flats is None else flats.mean
-    if bufs is not None and momentum:
-        # b ← μ b   (μ ← 1 where skip)
-        torch._foreach_mul_(bufs, momentum if skip is None else torch.where(skip, 1.0, momentum))
-        torch._foreach_sub_(bufs, mean_deltas)                  # b ← μ b − Δ̄
-        if flats is None:
-            hs = torch._foreach_sub(mean_deltas, bufs, alpha=momentum)   # h = Δ̄ − μ b
-        else:                                                   # the same, into a flat h laid out like Δ̄
-            flats.h.copy_(flats.mean)
-            hs = [same_place(d, flats.mean, flats.h) for d in mean_deltas]
-            torch._foreach_sub_(hs, bufs, alpha=momentum)
-            flat = flats.h
-        if skip is not None:
-            torch._foreach_mul_(hs, skip.logical_not().to(torch.float32))   # h ← 0 where skip
-    same = [i for i, x in enumerate(xs) if x.dtype == hs[i].dtype]
-    if same:
-        torch._foreach_add_([xs[i] for i in same], [hs[i] for i in same], alpha=lr)
-    low = [i for i, x in enumerate(xs) if x.dtype != hs[i].dtype]
-    if low and flats is not None and all(xs[i].dtype == flats.low.dtype for i in low):
-        rounded = flats.low.copy_(flat)                         # every h rounded to x's dtype in one copy
-        torch._foreach_add_([xs[i] for i in low], [same_place(hs[i], flat, rounded) for i in low], alpha=lr)
-        return
-    for i in low:                                               # rounded to x's dtype first, as per tensor
-        xs[i].add_(hs[i].to(xs[i].dtype), alpha=lr)
-
-
-def _reuse(buf: torch.Tensor | None, numel: int, device) -> torch.Tensor:
-    if buf is None or buf.numel() != numel or buf.device != torch.device(device):
-        buf = torch.empty(numel, dtype=torch.float32, device=device)
-    return buf
 
 
 class PeriodicAveraging(CommunicatingOptimizer):
@@ -213,7 +156,7 @@ class PeriodicAveraging(CommunicatingOptimizer):
         if self.delay == 1:
             return
         n = sum(m.param.numel() for m in layout)
-        self._launched = _reuse(self._launched, n, layout[0].param.device)
+        self._launched = reuse(self._launched, n, layout[0].param.device)
         places = spans(m.param.numel() for m in layout)
         torch._foreach_copy_([span.of(self._launched).view(m.param.shape) for m, span in zip(layout, places)],
                              [m.param for m in layout])
@@ -304,62 +247,34 @@ class PeriodicAveraging(CommunicatingOptimizer):
         self._launch(layout)
         slots = slots_of(layout)
         n, device = sum(s.span.size for s in slots), layout[0].param.device
-        x = exchange.payload if self.codec is None else _reuse(self._x, n, device)
+        x = exchange.payload if self.codec is None else reuse(self._x, n, device)
         parts = [s.span.of(x) for s in slots]
         # Δ = θ − θ₀
         self._write_deltas(x[:n], slots)
         if self.codec is not None:
             # x = Δ + e                      error feedback: what earlier syncs did not deliver
             torch._foreach_add_(parts, [self.state[s.key]["sync_error"] for s in slots])
-            self._x, self._unsent = x, _reuse(self._unsent, n, device)
+            self._x, self._unsent = x, reuse(self._unsent, n, device)
             # e' = x − decode(encode(x)), kept aside: a sync that is not made must leave e as it was
             self.codec.encode(x, out=exchange.payload, error=self._unsent)
 
-    def _low_dtype(self, tensors: list[torch.Tensor]):
-        """The one dtype other than float32 among `tensors` (bf16 training), else None (none,
-        or several: those go tensor by tensor)."""
-        low = {t.dtype for t in tensors if t.dtype != torch.float32}
-        return low.pop() if len(low) == 1 else None
-
-    def _low_flat(self, n: int, dtype, device) -> torch.Tensor:
-        """A flat buffer of `n` elements of `dtype`, kept across syncs."""
-        if self._low is None or self._low.numel() != n or self._low.dtype != dtype or self._low.device != device:
-            self._low = torch.empty(n, dtype=dtype, device=device)
-        return self._low
-
     def _write_deltas(self, x: torch.Tensor, slots: list[Slot]) -> None:
-        """Δ = θ − θ₀ of every parameter into its span of x (float32, `write_deltas`). The
-        parameters of one low-precision dtype go through a flat buffer of that dtype (torch's
-        foreach ops loop tensor by tensor over mixed dtypes): θ in (one same-dtype foreach
-        copy), x ← θ widened, θ₀ in (0 in the other spans), x ← x − θ₀ widened: the same float32
-        subtraction of exact values as per tensor."""
+        """Δ = θ − θ₀ of every parameter into its span of x (`outer_math.write_deltas_flat`)."""
         params, anchors = [s.param for s in slots], [self.state[s.key]["anchor"] for s in slots]
-        dtype = self._low_dtype(params)
-        narrow = [i for i, p in enumerate(params) if p.dtype == dtype and anchors[i].dtype == dtype]
-        if not narrow:
-            write_deltas([s.span.of(x).view(p.shape) for s, p in zip(slots, params)], params, anchors)
-            return
-        low = self._low_flat(x.numel(), dtype, x.device)
-        wide = [i for i in range(len(slots)) if i not in set(narrow)]
-        spans_low = [slots[i].span.of(low).view(params[i].shape) for i in narrow]
-        torch._foreach_copy_(spans_low, [params[i] for i in narrow])
-        x.copy_(low)                                            # θ (the other spans: written below)
-        torch._foreach_copy_(spans_low, [anchors[i] for i in narrow])
-        if wide:
-            torch._foreach_zero_([slots[i].span.of(low) for i in wide])
-        x.sub_(low)                                             # θ − θ₀ in float32
-        if wide:
-            write_deltas([slots[i].span.of(x).view(params[i].shape) for i in wide], [params[i] for i in wide],
-                         [anchors[i] for i in wide])
+        dtype = low_dtype(params)
+        if dtype is not None:
+            self._low = reuse(self._low, x.numel(), x.device, dtype)
+        write_deltas_flat(x, [s.span for s in slots], params, anchors, self._low if dtype is not None else None)
 
     def _outer_flats(self, mean: torch.Tensor, anchors: list[torch.Tensor]) -> OuterFlats | None:
         """`nesterov_outer_all_`'s flat buffers where anchors of one low-precision dtype are
         among `anchors` (none otherwise: float32 needs none)."""
-        dtype = self._low_dtype(anchors)
+        dtype = low_dtype(anchors)
         if dtype is None:
             return None
-        self._h = _reuse(self._h, mean.numel(), mean.device)
-        return OuterFlats(mean, self._h, self._low_flat(mean.numel(), dtype, mean.device))
+        self._h = reuse(self._h, mean.numel(), mean.device)
+        self._low = reuse(self._low, mean.numel(), mean.device, dtype)
+        return OuterFlats(mean, self._h, self._low)
 
     def _pending_state(self, record) -> dict:
         """A checkpoint with a lossy sync in flight keeps e', the error its apply commits."""

@@ -48,3 +48,11 @@ def same_place(view: torch.Tensor, base: torch.Tensor, other: torch.Tensor) -> t
     strides and offset from base's start."""
     return other.as_strided(view.shape, view.stride(),
                             other.storage_offset() + view.storage_offset() - base.storage_offset())
+
+
+def reuse(buf: torch.Tensor | None, numel: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`buf` if it is a flat buffer of `numel` elements of `dtype` on `device`, else a new one:
+    the buffers an optimizer keeps across steps, made again only when the layout changes."""
+    if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != torch.device(device):
+        buf = torch.empty(numel, dtype=dtype, device=device)
+    return buf
