@@ -49,8 +49,6 @@ computes NS on the whole Δ, gathered over the site.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from ..compress import ChunkedTopK, Payload
@@ -61,20 +59,9 @@ from .base import CommunicatingOptimizer, Member
 from .demo_groups import Groups
 from .demo_rules import (BASES, DOMAINS, LOOKAHEADS, MOMENTUM_FORMS, check_group, check_momentum, apply_base,  # noqa: F401
                          gradient_weight, momentum_in_transform, step_param)
+from .demo_slots import KeptSlots, Slot
 from .exchange import GatherAll
-from .flat import spans
 
-_WIRE_KEYS = ("topk", "chunk", "transform", "values", "seed", "aggregate", "base", "momentum_domain", "momentum_form")
-
-
-class Slot(NamedTuple):
-    """One parameter's place in the message: its group, tensor, compressor and byte range."""
-    group: dict
-    param: torch.Tensor
-    comp: ChunkedTopK
-    offset: int
-    nbytes: int
-    key: torch.Tensor                 # the parameter itself (param: its shard under FSDP2)
 
 
 class DeMo(CommunicatingOptimizer):
@@ -148,8 +135,7 @@ class DeMo(CommunicatingOptimizer):
         self._ahead: dict[torch.Tensor, torch.Tensor] = {}    # lookahead='momentum': direction, per parameter
         self._ahead_step = 0                                   # the step those directions belong to
         self._groups: tuple | None = None                      # (what decided them, `Groups`, the slots)
-        self._described: tuple | None = None                   # (slots, settings, `_describe`'s text)
-        self._slots_kept: tuple | None = None                  # (the layout's key, its slots, the layout): `_slots`
+        self._kept = KeptSlots()                               # slots and description, while the layout stays
         self.grouped = True                                    # False: every parameter on the per-tensor path
         self.arrival_status: torch.Tensor | None = None       # the last landing's malformed-payload flag (device)
         self._arrived: tuple | None = None                      # (rows, `_decode`'s answer) between check and apply
@@ -165,32 +151,12 @@ class DeMo(CommunicatingOptimizer):
         return self._compressors[key]
 
     def _slots(self, layout: list[Member]) -> list[Slot]:
-        """Each member's place in the message, kept while the layout (tensors, their shape,
-        dtype and device, their compressor) stays: a step asks several times, and each
-        member's payload size costs the host microseconds."""
-        if self._slots_kept is not None and self._slots_kept[2] is layout:     # asked again within a step
-            return self._slots_kept[1]
-        comps = [self.compressor(m.group) for m in layout]
-        key = tuple((id(m.key), id(m.param), id(m.group), id(comp), m.param.shape, m.param.dtype, m.param.device)
-                    for m, comp in zip(layout, comps))
-        if self._slots_kept is None or self._slots_kept[0] != key:   # the slots hold the ids' objects alive
-            places = spans(comp.payload_nbytes(m.param.shape) for m, comp in zip(layout, comps))
-            self._slots_kept = (key, [Slot(group, p, comp, place.start, place.size, k)
-                                      for (group, p, k), comp, place in zip(layout, comps, places)], layout)
-        self._slots_kept = (*self._slots_kept[:2], layout)
-        return self._slots_kept[1]
+        """Each member's place in the message (`demo_slots.KeptSlots`)."""
+        return self._kept.slots(layout, self.compressor)
 
     def _describe(self, layout: list[Member]) -> str:
-        """What every rank must share; made again only when the slots or a wire setting change."""
-        slots = self._slots(layout)
-        key = (self.comm.world_size, tuple(tuple(g.get(k) for k in _WIRE_KEYS) for g in self.param_groups))
-        if self._described is None or self._described[0] is not slots or self._described[1] != key:
-            lines = [f"demo world_size={self.comm.world_size}"]
-            for group, p, _, offset, n, _ in slots:
-                wire = ",".join(f"{k}={group[k]}" for k in _WIRE_KEYS)
-                lines.append(f"{tuple(p.shape)} {p.dtype} {wire} @{offset}+{n}")
-            self._described = (slots, key, "\n".join(lines))
-        return self._described[2]
+        """What every rank must share (`demo_slots.KeptSlots`)."""
+        return self._kept.describe(self._slots(layout), self.comm.world_size, self.param_groups)
 
     def _exchange(self, step: int, layout: list[Member]) -> GatherAll:
         slots = self._slots(layout)
