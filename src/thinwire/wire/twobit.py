@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from .bits import pack_bits, packed_nbytes, unpack_bits
-from .values import ValueCodec, _as_dtype, _bytes_of, _dim
+from .codec import ValueCodec, _as_dtype, _bytes_of, _dim
 
 LEVELS = 4              # 2 bits
 RANGE_SIGMAS = 6.0      # the reference's quantization_range
