@@ -52,7 +52,6 @@ next call (`thinwire.optim.verdict`; skipped steps in `skipped_steps`).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import NamedTuple
 
 import torch
 
@@ -60,22 +59,12 @@ from ..comm import CommStats, Communicator
 from ..compress.topk import MALFORMED
 from .checkpoints import EnvelopeCheckpoints, InFlight
 from .hooks import AlgorithmHooks
+from .member import Member
 from .overlap import OverlapSteps
 from .protocol import (FLAG_NONFINITE, NonFiniteGradientError, all_finite, check_nonfinite_policy, handshake,
                        nonfinite_flag)
 from .shards import check_sharding, local_view
 from .verdict import PendingVerdicts
-
-class Member(NamedTuple):
-    """One parameter of the layout. `param` is what the algorithm computes on: the parameter
-    itself, or under FSDP2 this rank's shard of it (a plain tensor sharing its storage, with
-    `.grad` this rank's shard of the gradient; `thinwire.optim.shards`). `key` is the
-    parameter as the param group holds it: `self.state[key]`."""
-    group: dict
-    param: torch.Tensor
-    key: torch.Tensor
-
-
 
 
 def flatten_grads(params, buffer: torch.Tensor, narrow=None) -> torch.Tensor:

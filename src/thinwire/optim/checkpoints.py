@@ -23,12 +23,11 @@ machinery it drives lives there.
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-if TYPE_CHECKING:
-    from .base import Member
+from .member import Member
 
 STATS_KEY = "thinwire_comm_stats"
 STEP_KEY = "thinwire_step"

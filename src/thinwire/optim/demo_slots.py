@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..compress import ChunkedTopK
-from .base import Member
+from .member import Member
 from .flat import spans
 
 WIRE_KEYS = ("topk", "chunk", "transform", "values", "seed", "aggregate", "base", "momentum_domain", "momentum_form")

@@ -52,7 +52,7 @@ local state to return to and whose start already moved the worker error, and a l
 
 Two tiers (FSDP2 shards inside a site, `process_group` = the group across sites): W and W'
 are the numbers of sites, and `states` the old ranks that held this rank's shard, one per old
-site in site order (the same ranks per site, so the same shard: train/elastic.py picks them);
+site in site order (the same ranks per site, so the same shard: train/remap.py picks them);
 `rank` is this rank's site. Every per-rank quantity is then a shard's, mapped elementwise as
 above; APMSqueeze's server error is partitioned over the cross-site group, EF21's server is
 the group's rank 0 (site 0), and shapes are checked against this rank's shard.

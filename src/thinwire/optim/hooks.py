@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .member import Member
+
 if TYPE_CHECKING:
-    from .base import Member
     from .checkpoints import InFlight
 
 

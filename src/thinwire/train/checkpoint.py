@@ -24,7 +24,7 @@ A checkpoint is one DCP folder `<out>/checkpoint/step-NNNNNN/` holding
     and the size of every file in the folder.
 The step is the data position (data.train_batch is a pure function of the step). A flat run
 (no --sites) resumes at any world size: every new rank then reads every old rank's
-"rank{i}" and maps them (train/elastic.py); a --sites checkpoint at another number of sites
+"rank{i}" and maps them (train/remap.py); a --sites checkpoint at another number of sites
 with the same ranks per site: each new rank reads the old ranks that held its shard, one per
 old site (another number of ranks per site is refused, naming both). DCP
 writes into `step-NNNNNN.tmp`; rank 0 renames it once every rank has written and the
@@ -50,12 +50,13 @@ import torch
 import torch.distributed as dist
 
 from .config import TrainConfig
+from .remap import layout, layout_text, new_rank_blob, peers
 
 META = "thinwire.json"
 _NAME = re.compile(r"^step-(\d{6,})$")
 # Config fields a resumed run may change: evaluation does not touch the trajectory; the
 # world size (checkpoint "world", config "workers") and, with the same ranks per site, the
-# number of sites (checked in _layout_diffs) are mapped (train/elastic.py).
+# number of sites (checked in _layout_diffs) are mapped (train/remap.py).
 MAY_DIFFER = ("eval_every", "workers", "sites")
 # A config field added after a checkpoint was written: that run had the field's default.
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
@@ -154,13 +155,12 @@ def check(path: Path, expect: dict) -> dict:
 def _layout_diffs(old_world, old_sites: int, world, sites: int) -> list[str]:
     """What keeps a checkpoint of `old_world` ranks in `old_sites` sites (0: flat) from resuming
     on `world` ranks in `sites`: a flat run resumes at any world size, a --sites run at another
-    number of sites with the same ranks per site (train/elastic.py); flat and --sites not each other."""
+    number of sites with the same ranks per site (train/remap.py); flat and --sites not each other."""
     if bool(old_sites) != bool(sites):
         return [f"sites: checkpoint {old_sites!r}, this run {sites!r} (a flat run and a --sites run do not resume "
                 f"each other)"]
     if not sites or old_world is None or world is None:
         return [] if old_sites == sites else [f"sites: checkpoint {old_sites!r}, this run {sites!r}"]
-    from .elastic import layout_text
     old_per, per = old_world // old_sites, world // sites
     if old_per == per:
         return []
@@ -278,11 +278,10 @@ def load(path: str | os.PathLike, model, built, sched, rank: int, extra: dict | 
     """Restore model, this rank's optimizer state, scheduler and RNG from `path`; its step.
     `extra` (a dict) is updated with what save() was given as this rank's `extra`.
     Written by another number of ranks: this rank's state is mapped from its old peers' (flat:
-    every old rank's; --sites: the old ranks that held its shard; train/elastic.py). A
+    every old rank's; --sites: the old ranks that held its shard; train/remap.py). A
     checkpoint DCP cannot read raises CheckpointError on every rank."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-    from .elastic import layout, new_rank_blob, peers
     path = Path(path)
     meta = json.loads((path / META).read_text())
     world = dist.get_world_size() if dist.is_initialized() else 1

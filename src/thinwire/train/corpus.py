@@ -8,7 +8,7 @@
 Sources: a `.jsonl`/`.json` (JSON lines) or `.parquet` file, one document per record's
 `text_field`, read with pyarrow; a text file or a directory of files (sorted by path; record
 files give one document per record, any other file is one document); None, the stdlib corpus
-(data.py). Document i, counting across files, is validation when i % VAL_EVERY == VAL_EVERY - 1;
+(text_sources.py). Document i, counting across files, is validation when i % VAL_EVERY == VAL_EVERY - 1;
 a single plain text file is one document, split by position like data.py does (last 5 %).
 
 Tokens: with no tokenizer, UTF-8 bytes (vocab 256). With `tokenizer` (a local tokenizer.json,
@@ -44,7 +44,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .data import BIN_VAL_FRAC, VAL_EVERY, check_ids, stdlib_files
+from .text_sources import BIN_VAL_FRAC, VAL_EVERY, check_ids, stdlib_files
 
 FORMAT, FORMAT_VERSION, MANIFEST = "thinwire-corpus", 1, "manifest.json"
 RECORDS = {".jsonl": "JSONL", ".json": "JSONL", ".parquet": "Parquet"}

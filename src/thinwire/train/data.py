@@ -17,35 +17,12 @@ union of the workers' shards is the same batch for every world size.
 
 from __future__ import annotations
 
-import functools
-import os
-import sysconfig
 from pathlib import Path
 
 import torch
 
-VAL_EVERY = 20          # text: file i is validation when i % VAL_EVERY == VAL_EVERY - 1
-BIN_VAL_FRAC = 0.05
-
-
-SKIPPED_DIRS = ("site-packages", "test", "tests")
-
-
-def stdlib_files() -> list[Path]:
-    """The standard library's .py files outside site-packages and test folders, in sorted
-    order. The folders are pruned during the walk, not filtered after it: an interpreter's
-    site-packages can hold ten times the stdlib's files (1 s a call, where this takes 0.02 s);
-    and the list is made once per process."""
-    return list(_stdlib_files(sysconfig.get_paths()["stdlib"]))
-
-
-@functools.lru_cache(maxsize=None)
-def _stdlib_files(stdlib: str) -> tuple[Path, ...]:
-    keep = []
-    for folder, dirs, files in os.walk(stdlib):
-        dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS]
-        keep += [Path(folder, f) for f in files if f.endswith(".py")]
-    return tuple(sorted(keep))
+from .corpus import is_prepared, load_prepared
+from .text_sources import BIN_VAL_FRAC, VAL_EVERY, check_ids, stdlib_files
 
 
 def _split_files(files: list[Path]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,12 +31,6 @@ def _split_files(files: list[Path]) -> tuple[torch.Tensor, torch.Tensor]:
         (val if i % VAL_EVERY == VAL_EVERY - 1 else train).extend(path.read_bytes())
     as_ids = lambda b: torch.frombuffer(b, dtype=torch.uint8).long() if b else torch.zeros(0, dtype=torch.long)
     return as_ids(train), as_ids(val)
-
-
-def check_ids(ids: torch.Tensor, vocab_size: int, path) -> None:
-    if ids.numel() and int(ids.max()) >= vocab_size:
-        raise ValueError(f"{path} holds token id {int(ids.max())} >= vocab_size {vocab_size}; "
-                         f"pass --vocab-size {int(ids.max()) + 1} or more")
 
 
 def _load_bin(path: Path, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +52,6 @@ def load_corpus(path: str | None, vocab_size: int = 256) -> tuple[torch.Tensor, 
         raise ValueError(f"data path {path!r} does not exist")
     if p.suffix == ".bin":
         return _load_bin(p, vocab_size)
-    from .corpus import is_prepared, load_prepared      # here, not at the top: corpus imports this module
     if is_prepared(p):
         return load_prepared(p, vocab_size)
     if vocab_size < 256:
