@@ -17,9 +17,25 @@ def make_model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
 
 
+_TEACHER: tuple[torch.nn.Module, torch.Tensor] | None = None
+
+
 def _teacher() -> torch.nn.Module:
-    torch.manual_seed(1234)
-    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+    """The teacher, built once per process (seed 1234), and the global CPU generator left where
+    building it leaves it, as every call did when each built its own: code that draws from the
+    global generator after a batch() sees the same numbers. batch() asks for it every step, and
+    torch.manual_seed (with torch.cuda not initialised) formats the caller's whole stack three
+    times, for lazy CUDA/XPU/MTIA seeding: ~4 ms a call at pytest's depth, thousands of calls."""
+    global _TEACHER
+    if _TEACHER is None:
+        torch.manual_seed(1234)
+        model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+        for p in model.parameters():
+            p.requires_grad_(False)    # only ever evaluated under no_grad; read only (a shared copy)
+        _TEACHER = model, torch.get_rng_state()
+    model, state = _TEACHER
+    torch.set_rng_state(state)
+    return model
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
