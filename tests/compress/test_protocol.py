@@ -23,6 +23,7 @@ CASES += [("chunked-identity-all+fp32", lambda: chunked("identity", "fp32", topk
 EF21_SPECS = {   # spec -> lossless
     "identity": True, "identity+bf16": False, "identity+int8": False, "natural": False,
     "topk:0.1": False, "topk:0.3": False, "topk:0.1+natural": False, "topk:0.2+sign": False, "topk:0.2+2bit": False,
+    "topk:0.2+8bit": False,
     "topk:1": True,
     "randk:0.1": False, "randk:0.2+natural": False, "randk:0.2+fp16": False, "randk:1": True,
     "rank:3": False, "rank:3+bf16": False, "rank:30": True,     # rank 30 >= min(m, n): sent whole

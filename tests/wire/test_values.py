@@ -23,12 +23,12 @@ def ref_sign_bytes(flat_values):
 def documented_nbytes(name, rows, cols):
     per_value = {"fp32": 4 * rows * cols, "bf16": 2 * rows * cols, "fp16": 2 * rows * cols,
                  "int8": 4 * rows + rows * cols, "sign": 4 * rows + -(-rows * cols // 8),
-                 "2bit": 16 * rows + -(-rows * cols // 4)}
+                 "2bit": 16 * rows + -(-rows * cols // 4), "8bit": 1024 * rows + rows * cols}
     return per_value[name]
 
 
 def test_names_and_flags():
-    assert CODEC_NAMES == ("fp32", "bf16", "fp16", "int8", "sign", "2bit")
+    assert CODEC_NAMES == ("fp32", "bf16", "fp16", "int8", "sign", "2bit", "8bit")
     for name in CODEC_NAMES:
         codec = get_codec(name)
         assert codec.name == name and codec.lossless == (name == "fp32")
@@ -37,7 +37,7 @@ def test_names_and_flags():
 def test_value_format_table():
     """The one table of value-format names: CODEC_NAMES derives from it, and each codec's
     size, lossless flag and error factor agree with its row."""
-    assert tuple(VALUE_FORMATS) == ("fp32", "bf16", "fp16", "int8", "sign", "2bit", "natural")
+    assert tuple(VALUE_FORMATS) == ("fp32", "bf16", "fp16", "int8", "sign", "2bit", "8bit", "natural")
     assert all(isinstance(fmt, ValueFormat) for fmt in VALUE_FORMATS.values())
     assert CODEC_NAMES == tuple(name for name, fmt in VALUE_FORMATS.items() if fmt.codec)
     assert not VALUE_FORMATS["natural"].codec
@@ -177,7 +177,7 @@ def test_non_finite_input_is_never_decoded_as_finite(name, bad):
     y = codec.roundtrip(x)
     assert torch.isfinite(y[0]).all()
     assert not torch.isfinite(y[1, 4])
-    if name in ("int8", "sign", "sign_rms", "2bit"):                    # via the row's scale (levels)
+    if name in ("int8", "sign", "sign_rms", "2bit", "8bit"):            # via the row's scale (levels)
         assert not torch.isfinite(y[1]).any()
 
 

@@ -20,6 +20,8 @@ row where the codec has one, as
     sign  rows*4 bytes of float32 scales, then ceil(rows*cols / 8) bytes of sign bits
     2bit  rows*16 bytes of float32 levels, then ceil(rows*cols / 4) bytes of 2-bit codes
           (SparseLoCo's statistical quantizer, `twobit`)
+    8bit  rows*1024 bytes of float32 levels, then rows*cols bytes of codes
+          (the same with 256 levels, Templar's default, `eightbit`)
 The 'natural' format (sign + exponent, stochastically rounded from a seed) is an EF21 value
 stage on flat vectors only: `thinwire.compress.value_stages`. All multi-byte numbers are
 little-endian.
@@ -30,9 +32,10 @@ from .indices import INDEX_CODINGS, EliasFanoIndices, PackedIndices, index_codin
 from .values import (CODEC_NAMES, FP16_MAX, VALUE_FORMATS, FloatCodec, Int8Codec, SignCodec, ValueCodec,
                      ValueFormat, get_codec)
 from .twobit import TwoBitCodec
+from .eightbit import EightBitCodec
 
 __all__ = [
-    "CODEC_NAMES", "FP16_MAX", "FloatCodec", "Int8Codec", "SignCodec", "TwoBitCodec", "VALUE_FORMATS",
+    "CODEC_NAMES", "EightBitCodec", "FP16_MAX", "FloatCodec", "Int8Codec", "SignCodec", "TwoBitCodec", "VALUE_FORMATS",
     "ValueCodec", "ValueFormat", "get_codec",
     "INDEX_CODINGS", "EliasFanoIndices", "PackedIndices", "index_coding",
     "index_width", "pack_bits", "pack_flags", "pack_signs", "packed_nbytes", "unpack_bits", "unpack_flags",

@@ -1,9 +1,9 @@
 """The base of thinwire's value codecs (`ValueCodec`: a float tensor [rows, cols] <-> a flat
 uint8 buffer whose size depends only on (rows, cols)) and the byte helpers they share.
 
-Below every codec module, so the imports run one way: `twobit` (the statistical quantizer)
-and `values` (the table of formats, the float, int8 and sign codecs and `get_codec`, which
-imports `twobit`) both build on it.
+Below every codec module, so the imports run one way: `twobit` (the statistical quantizer),
+`eightbit` (the same with 256 levels, on `twobit`) and `values` (the table of formats, the
+float, int8 and sign codecs and `get_codec`, which imports both) build on it.
 """
 
 from __future__ import annotations

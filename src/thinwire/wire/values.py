@@ -10,9 +10,11 @@ Every number on the wire is little-endian; values are row-major. Layouts:
     sign  rows float32 scales, then packed_nbytes(rows*cols, 1) bytes of sign bits
     2bit  rows*4 float32 levels, then packed_nbytes(rows*cols, 2) bytes of 2-bit codes
           (SparseLoCo's statistical quantizer: `thinwire.wire.twobit`)
+    8bit  rows*256 float32 levels, then rows*cols bytes of codes
+          (the same quantizer with 256 levels, Templar's default: `thinwire.wire.eightbit`)
 Codecs accept any floating input dtype and compute in float32; decode returns float32.
 A row holding NaN or inf always decodes to non-finite values (fp16 saturates only finite
-values; int8 and sign rows get a non-finite scale, 2bit rows non-finite levels), so a
+values; int8 and sign rows get a non-finite scale, 2bit and 8bit rows non-finite levels), so a
 receiver-side finiteness check catches it.
 """
 
@@ -25,6 +27,7 @@ import torch
 
 from .bits import pack_signs, packed_nbytes, unpack_signs
 from .codec import ValueCodec, _as_dtype, _bytes_of, _dim
+from .eightbit import EightBitCodec
 from .twobit import TwoBitCodec
 
 FP16_MAX = 65504.0
@@ -53,6 +56,9 @@ VALUE_FORMATS = MappingProxyType({
     "2bit": ValueFormat(2, True, 4, False, None, True,
                         "4 float32 levels per row (SparseLoCo's statistical quantizer: the means of the values "
                         "in 4 bins 1.5 sigma wide), then a 2-bit code per value"),
+    "8bit": ValueFormat(8, True, 256, False, None, True,
+                        "256 float32 levels per row (Templar's statistical quantizer: the means of the values "
+                        "in 256 bins 6/256 sigma wide), then a 1-byte code per value"),
     "natural": ValueFormat(9, False, 0, False, 1.0 / 8.0, False,
                            "sign bit + float32 exponent: |x| rounded stochastically (from a seed) to a "
                            "neighbouring power of two, unbiased"),
@@ -188,4 +194,6 @@ def get_codec(name: str) -> ValueCodec:
         return SignCodec()
     if name == "2bit":
         return TwoBitCodec()
+    if name == "8bit":
+        return EightBitCodec()
     raise ValueError(f"values must be one of {', '.join(map(repr, CODEC_NAMES))}, got {name!r}")
