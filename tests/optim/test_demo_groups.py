@@ -74,28 +74,35 @@ def test_low_precision_groups_round_where_the_per_tensor_path_rounds(kw, dtypes)
 
 
 if torch.cuda.is_available():                                     # defined only where it can run
-    @pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.bfloat16,)], ids=["fp32", "bf16"])
-    @pytest.mark.parametrize("kw", [{}, dict(values="fp32", transform="identity")], ids=str)
-    def test_cuda_groups_follow_the_per_tensor_path_to_the_gemms_rounding(kw, dtypes):
+    CUDA_CASES = ([((torch.float32,), {}), ((torch.float32,), dict(values="fp32", transform="identity"))]
+                  + [(d, kw) for d in [(torch.bfloat16,), (torch.bfloat16, torch.float32)] for kw in LOW_SETTINGS])
+
+    @pytest.mark.parametrize("dtypes, kw", CUDA_CASES, ids=str)
+    def test_cuda_groups_follow_the_per_tensor_path_to_the_gemms_rounding(dtypes, kw):
         """On CUDA, cuBLAS picks its GEMM kernel by the problem's shape, and a group's stacked
-        transform is another shape than a tensor's own. Seen on an H200: with the DCT the
-        momenta of the (64, 64, 64) group's members differed from the per-tensor path's by at
-        most 4e-9 (about 1e-6 of their size) after 6 steps, in float32 and bf16, while the
-        parameters and the messages stayed bit for bit; with the identity transform (no GEMM)
-        everything stayed bit for bit. Other settings (fp16, base='sgd', lookahead, 'skip')
-        were not all equal there (8 of the low-precision test's 18 cases failed on
-        CUDA with the momenta's tolerance; not yet diagnosed): the CPU test holds them."""
+        transform is another shape than a tensor's own. Seen on an H200 (6 steps): with the DCT
+        the momenta differed from the per-tensor path's by at most 6e-7 of their size in every
+        setting here, float32 and bf16 alike; the parameters stayed bit for bit, and so did the
+        messages except int8 values, whose codes follow the momenta (30-36 bytes of ~20 KB);
+        with the identity transform (no GEMM) everything stayed bit for bit. fp16 parameters
+        are not here: on the H200 they differed by up to 3 fp16 ulps in ~9 % of elements with
+        equal messages, a rounding of the landing not yet found (CPU's test holds fp16 bit for
+        bit)."""
         ours, opt, sent = _run(True, dtypes=dtypes, device="cuda", **kw)
         ref, ref_opt, ref_sent = _run(False, dtypes=dtypes, device="cuda", **kw)
+        exact = kw.get("transform") == "identity"
         for p, q in zip(ours, ref):
             assert torch.equal(p, q)
             m, r = opt.state[p]["momentum"], ref_opt.state[q]["momentum"]
-            if kw:
+            if exact:
                 assert torch.equal(m, r)
             else:
                 torch.testing.assert_close(m, r, rtol=1e-5, atol=1e-7)
         for a, b in zip(sent, ref_sent):
-            assert torch.equal(a, b)
+            if kw.get("values") == "int8":
+                assert int((a != b).sum()) <= a.numel() // 100    # codes at a rounding's boundary
+            else:
+                assert torch.equal(a, b)
 
 
 def test_a_padded_column_shape_stays_on_the_per_tensor_path():
