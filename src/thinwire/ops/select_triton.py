@@ -23,6 +23,8 @@ CUDA builds of torch ship it), so that nothing here runs on a CPU-only install.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -80,6 +82,8 @@ def row_largest(magnitude: torch.Tensor, k: int, num_warps: int | None = None) -
     if rows.shape[0]:
         block = triton.next_power_of_2(n)
         warps = num_warps or max(1, min(DEFAULT_WARPS, block // 512))
-        _row_largest_kernel[(rows.shape[0],)](rows.view(torch.int32), out, n, k, rows.stride(0),
-                                              BLOCK=block, num_warps=warps)
+        on = torch.cuda.device(magnitude.device) if magnitude.is_cuda else contextlib.nullcontext()
+        with on:                                                    # Triton launches on the current device
+            _row_largest_kernel[(rows.shape[0],)](rows.view(torch.int32), out, n, k, rows.stride(0),
+                                                  BLOCK=block, num_warps=warps)
     return out.view(*magnitude.shape[:-1], k)
