@@ -108,7 +108,7 @@ def test_demo_sends_over_100x_less(run):
     (["--optimizers", "demo,apmsqueeze-overlap", "--steps", "20"], "gives APMSqueeze 4 dense warmup step(s)"),
     (["--sparseloco-topk", "1025", "--sparseloco-chunk", "32"], "sparseloco_topk must be in [1, sparseloco_chunk**2 = 1024]"),
     (["--sparseloco-chunk", "0"], "sparseloco_chunk must be >= 1"),
-    (["--sparseloco-values", "sign"], "sparseloco_values must be one of 2bit, int8, bf16, fp32"),
+    (["--sparseloco-values", "sign"], "sparseloco_values must be one of 2bit, 8bit, int8, bf16, fp32"),
     (["--sparseloco-indices", "gamma"], "sparseloco_indices must be one of packed, elias-fano"),
     (["--sparseloco-error-decay", "1.5"], "sparseloco_error_decay must be in [0, 1]"),
     (["--sparseloco-outer-lr", "0"], "sparseloco_outer_lr must be > 0"),

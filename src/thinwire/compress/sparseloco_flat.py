@@ -3,12 +3,12 @@ tensor are what `SparseLoCoTopK.encode` writes for it alone, and a receiver deco
 values, with fewer tensor operations per tensor.
 
 The work that reads or writes a whole tensor stays tensor by tensor, so it runs while that
-tensor is in cache: |x| in chunk-major order, the kept values, their 2-bit codes and levels
+tensor is in cache: |x| in chunk-major order, the kept values, their codes and levels
 (one set per tensor, as the paper has it), and what the caller does with them (e' = e − Δ̂,
 the eager jump; at the landing the mean, θ₀ and the rejoin). What only touches the kept values
 and the bytes is done once for a group of tensors that share a chunk geometry (h, w, k), are
-unpadded, and take 'identity' top-k with '2bit' values (a model's matrices usually form one
-group, its vectors another):
+unpadded, and take 'identity' top-k with '2bit' or '8bit' values (a model's matrices usually
+form one group, its vectors another):
 
     select   when the caller `stage`s every tensor's |x| first (SparseLoCo does), the chunks'
              top-k and Elias-Fano's ascending sort in one call each over all the group's
@@ -18,7 +18,7 @@ group, its vectors another):
              the indices' bit streams (`thinwire.wire.indices`: one for 'packed'; lows and
              bitmaps for 'elias-fano') and one of the codes when every member's share of each
              ends on a byte (else one per member), copied into each member's payload beside
-             its 16 level bytes
+             its level bytes (16 for '2bit', 1024 for '8bit')
     read     one unpacking of each (or one per member), one check of the indices and of the
              decoded values, the flat positions of every chunk's values at once
 
@@ -37,11 +37,10 @@ from ..ops.select import ascending, largest_indices
 from ..wire.spans import Span, spans
 from ..wire import pack_bits, packed_nbytes, unpack_bits
 from ..wire.indices import pack_stream, unpack_stream
-from ..wire.twobit import LEVELS, quantize_rows
+from ..wire.twobit import quantize_rows
 from .payload import Payload
-from .sparseloco_topk import Sent, SparseLoCoTopK
+from .sparseloco_topk import PER_TENSOR_VALUES, Sent, SparseLoCoTopK
 
-LEVEL_BYTES = 4 * LEVELS                       # one tensor's float32 levels
 Decoded = tuple[torch.Tensor, torch.Tensor]    # (flat positions in the tensor [n] int64, values [n] float32)
 
 
@@ -52,6 +51,9 @@ class _Group:
         self.members, self.plans, self.payloads = members, plans, payloads
         self.h, self.w, self.k = plans[0].chunk_rows, plans[0].chunk_cols, compressor.k(plans[0].shape)
         self.coding = compressor.coding(plans[0].shape)
+        # L levels of `bits`-bit codes per tensor, 4·L bytes of float32 levels
+        self.L, self.bits = compressor.codec.levels, compressor.codec.bits
+        self.level_bytes = 4 * self.L
         self.chunks = [p.num_chunks for p in plans]
         self.first = list(accumulate(self.chunks, initial=0))                   # member j's rows: first[j]..first[j+1]
         self.rows = self.first[-1]
@@ -59,9 +61,9 @@ class _Group:
         self.stream_bytes = [[packed_nbytes(c * m, bits) for c in self.chunks] for m, bits, _ in self.coding.streams]
         self.stream_at = [list(accumulate(sizes, initial=0)) for sizes in self.stream_bytes]
         self.index_bytes = [self.coding.nbytes(c) for c in self.chunks]
-        self.code_bytes = [packed_nbytes(c * self.k, 2) for c in self.chunks]
+        self.code_bytes = [packed_nbytes(c * self.k, self.bits) for c in self.chunks]
         self.code_at = list(accumulate(self.code_bytes, initial=0))
-        self.aligned = all(c * m * bits % 8 == 0 and c * self.k % 4 == 0
+        self.aligned = all(c * m * bits % 8 == 0 and c * self.k * self.bits % 8 == 0
                            for c in self.chunks for m, bits, _ in self.coding.streams)
         # per chunk: the flat position of its (0, 0) in its tensor, and that tensor's columns  [G, 1]
         origins, cols = [], []
@@ -74,7 +76,7 @@ class _Group:
         self.tensor_of_row = torch.repeat_interleave(torch.arange(len(plans)), torch.tensor(self.chunks)).to(device)
         self.idx = torch.empty(self.rows, self.k, dtype=torch.int64, device=device)    # this rank's, until written
         self.codes = torch.empty(self.rows, self.k, dtype=torch.int64, device=device)
-        self.levels = torch.empty(len(members), LEVELS, device=device)
+        self.levels = torch.empty(len(members), self.L, device=device)
         self.magnitude: torch.Tensor | None = None    # [G, h·w] staged |x|, chunk-major (`stage`)
         self.selected: torch.Tensor | None = None     # [G, k] flat positions of `select`'s top-k, until written
 
@@ -119,7 +121,7 @@ class _Group:
             self.idx[rows] = idx
             positions = self.positions(idx, rows).view(-1)                      # [C·k]
         # the kept values (index_select: about 2x torch.take's speed on CPU here), one row: the tensor's
-        q, levels = quantize_rows(x.view(-1).index_select(0, positions).view(1, -1))
+        q, levels = quantize_rows(x.view(-1).index_select(0, positions).view(1, -1), self.L)
         self.codes[rows], self.levels[j] = q.view(-1, self.k), levels[0]
         # x̂ = t_q, as the codec decodes it
         return Sent(positions, levels.view(-1).take(q.view(-1)), None)
@@ -127,11 +129,11 @@ class _Group:
     def write(self, payload: torch.Tensor) -> None:
         """Every member's indices, levels and codes into its payload span (a selection ends here)."""
         self.selected = None
-        level_bytes = self.levels.view(torch.uint8).view(-1, LEVEL_BYTES)
+        level_bytes, nl = self.levels.view(torch.uint8).view(-1, self.level_bytes), self.level_bytes
         if self.aligned:
             index_streams = [pack_stream(part, bits) for part, (_, bits, _) in zip(self.coding.split(self.idx),
                                                                                     self.coding.streams)]
-            code_stream = pack_bits(self.codes, 2)
+            code_stream = pack_bits(self.codes, self.bits)
         for j, span in enumerate(self.payloads):
             out, ni = span.of(payload), self.index_bytes[j]
             a, b = self.first[j], self.first[j + 1]
@@ -140,29 +142,30 @@ class _Group:
                 for stream, starts in zip(index_streams, self.stream_at):
                     out[at: at + starts[j + 1] - starts[j]].copy_(stream[starts[j]: starts[j + 1]])
                     at += starts[j + 1] - starts[j]
-                out[ni + LEVEL_BYTES:].copy_(code_stream[self.code_at[j]: self.code_at[j + 1]])
+                out[ni + nl:].copy_(code_stream[self.code_at[j]: self.code_at[j + 1]])
             else:
                 self.coding.pack(self.idx[a:b], out=out[:ni])
-                pack_bits(self.codes[a:b], 2, out=out[ni + LEVEL_BYTES:])
-            out[ni: ni + LEVEL_BYTES].copy_(level_bytes[j])
+                pack_bits(self.codes[a:b], self.bits, out=out[ni + nl:])
+            out[ni: ni + nl].copy_(level_bytes[j])
 
     def read(self, payload: torch.Tensor) -> list[Decoded]:
         """One rank's bytes of this group -> each member's (positions, values), validated as
         `SparseLoCoTopK.read` validates them."""
         parts = [span.of(payload) for span in self.payloads]
         index_parts = [b[:n] for b, n in zip(parts, self.index_bytes)]
-        code_parts = [b[n + LEVEL_BYTES:] for b, n in zip(parts, self.index_bytes)]
+        nl = self.level_bytes
+        code_parts = [b[n + nl:] for b, n in zip(parts, self.index_bytes)]
         count = self.rows * self.k
         if self.aligned:
             streams = [torch.cat(_stream_parts(index_parts, s, self.stream_bytes)) for s in range(len(self.stream_bytes))]
             idx = self.coding.join([unpack_stream(b, bits, self.rows * m, flags)
                                     for b, (m, bits, flags) in zip(streams, self.coding.streams)], self.rows)
-            q = unpack_bits(torch.cat(code_parts), 2, count)
+            q = unpack_bits(torch.cat(code_parts), self.bits, count)
         else:
             idx = torch.cat([self.coding.unpack(b, c) for b, c in zip(index_parts, self.chunks)])
-            q = torch.cat([unpack_bits(b, 2, c * self.k) for b, c in zip(code_parts, self.chunks)])
-        levels = torch.cat([b[n: n + LEVEL_BYTES] for b, n in zip(parts, self.index_bytes)]).view(torch.float32)
-        values = levels.take(q.view(self.rows, self.k) + LEVELS * self.tensor_of_row.unsqueeze(1))   # [G, k]
+            q = torch.cat([unpack_bits(b, self.bits, c * self.k) for b, c in zip(code_parts, self.chunks)])
+        levels = torch.cat([b[n: n + nl] for b, n in zip(parts, self.index_bytes)]).view(torch.float32)
+        values = levels.take(q.view(self.rows, self.k) + self.L * self.tensor_of_row.unsqueeze(1))   # [G, k]
         if not bool(torch.isfinite(values).all()):
             raise ValueError("malformed payload: non-finite values")
         positions = self.positions(idx.view(self.rows, self.k), slice(None))
@@ -186,7 +189,8 @@ class FlatSparseLoCo:
         geometry: dict[tuple[int, int, int], list[int]] = {}
         for i, shape in enumerate(self.shapes):
             plan = compressor.plan(shape)
-            if compressor.transform.kind == "identity" and compressor.codec.name == "2bit" and not plan.padded:
+            if (compressor.transform.kind == "identity" and compressor.codec.name in PER_TENSOR_VALUES
+                    and not plan.padded):
                 geometry.setdefault((plan.chunk_rows, plan.chunk_cols, compressor.k(shape)), []).append(i)
         self.groups = []
         for members in geometry.values():

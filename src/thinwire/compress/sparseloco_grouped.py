@@ -1,7 +1,8 @@
 """SparseLoCo's compressor over a whole layout in a few batched operations (`GroupedSparseLoCo`),
 the bytes of every tensor those `SparseLoCoTopK.encode` writes for it alone.
 
-A tensor joins when its top-k is on the values ('identity') and its values are '2bit'; the
+A tensor joins when its top-k is on the values ('identity') and its values are '2bit' or
+'8bit' (the statistical quantizer with 4 or 256 levels per tensor, `PER_TENSOR_VALUES`); the
 others (`alone`) are the caller's, tensor by tensor. The joined tensors are cut by chunk
 shape (h, w) into families (h, w fix E = h·w, k and the index coding), and a family by
 column count into stacks (tensors of one (h, w, cols) stack on their rows: the chunk-major
@@ -15,7 +16,7 @@ a tensor's C·k values together (`segment`: each kept value's tensor). A sync is
 
     select   per stack one copy into the stage and one |·| chunk-major, per family one
              top-k and one computation of the kept values' flat positions in the layout
-    encode   one take of the kept values, one 2-bit quantization of all of them with levels
+    encode   one take of the kept values, one quantization of all of them with levels
              per tensor (`quantize_segments`), one packing per index stream and family and
              one of all the codes, one scatter of the bytes into the message (`MessageMap`)
     read     one take of every rank's bytes, one unpacking per stream, one check of all
@@ -23,7 +24,7 @@ a tensor's C·k values together (`segment`: each kept value's tensor). A sync is
 
 Same results as `FlatSparseLoCo` (tests/compress/test_sparseloco_grouped.py): the same
 top-k calls over the same magnitudes (more rows per call), the same elementwise arithmetic;
-the per-tensor sums of the 2-bit statistics run in element order (`quantize_segments`).
+the per-tensor sums of the quantizer's statistics run in element order (`quantize_segments`).
 """
 
 from __future__ import annotations
@@ -38,14 +39,12 @@ from ..wire import checks
 from ..wire.shares import MessageMap, ShareStream
 from ..wire.spans import spans
 from ..wire.twobit import LEVELS, Segments, quantize_segments
-from .sparseloco_topk import SparseLoCoTopK
-
-LEVEL_BYTES = 4 * LEVELS
+from .sparseloco_topk import PER_TENSOR_VALUES, SparseLoCoTopK
 
 
 def joins(comp: SparseLoCoTopK, shape) -> bool:
     """Whether a tensor of `shape` can take the grouped path (module docstring)."""
-    return comp.transform.kind == "identity" and comp.codec.name == "2bit"
+    return comp.transform.kind == "identity" and comp.codec.name in PER_TENSOR_VALUES
 
 
 class _Family:
@@ -158,6 +157,10 @@ class GroupedSparseLoCo:
         """eligible: per tensor, whether the caller lets it join at all (default: every one)."""
         self.comp, self.shapes, self.device = comp, [tuple(s) for s in shapes], torch.device(device)
         self.eligible = [True] * len(self.shapes) if eligible is None else list(eligible)
+        # L levels per tensor and bits per code of the quantizer (2-bit's when no tensor can join)
+        statistical = comp.codec.name in PER_TENSOR_VALUES
+        self.L, self.bits = (comp.codec.levels, comp.codec.bits) if statistical else (LEVELS, 2)
+        self.level_bytes = 4 * self.L
         self.offsets = [s.start for s in spans(_numel(s) for s in self.shapes)]
         self.payloads = spans(comp.payload_nbytes(s) for s in self.shapes)
         by_shape: dict[tuple[int, int], list[int]] = {}                      # (h, w) -> layout indices
@@ -173,7 +176,7 @@ class GroupedSparseLoCo:
         self.tensors = [i for f in self.families for i in f.members]                 # kept order
         lengths = [c * f.k for f in self.families for c in f.chunks]                  # C·k per tensor
         self.kept = kept
-        self.segment = Segments(lengths, device)                                  # each kept value's tensor
+        self.segment = Segments(lengths, device, self.L)                          # each kept value's tensor
         self.positions = torch.empty(kept, dtype=torch.int64, device=device)       # this sync's kept positions
         # which kept values lie in a padding (families with padded members; None: none can)
         self.padding = torch.zeros(kept, dtype=torch.bool, device=device) if any(f.padded for f in self.families) else None
@@ -196,10 +199,10 @@ class GroupedSparseLoCo:
                 streams.append(ShareStream(counts, bits, flags, [at[i] for i in f.members], self.device))
                 for i, n in zip(f.members, counts):
                     at[i] += -(-n * bits // 8)
-        code_places = [self.payloads[i].start + index_bytes[i] + LEVEL_BYTES for i in self.tensors]
-        streams.append(ShareStream(lengths, 2, False, code_places, self.device))
+        code_places = [self.payloads[i].start + index_bytes[i] + self.level_bytes for i in self.tensors]
+        streams.append(ShareStream(lengths, self.bits, False, code_places, self.device))
         level_places = [self.payloads[i].start + index_bytes[i] for i in self.tensors]
-        return MessageMap([(LEVEL_BYTES, level_places)], streams, self.nbytes, self.device)
+        return MessageMap([(self.level_bytes, level_places)], streams, self.nbytes, self.device)
 
     def select(self, x: torch.Tensor, stage: torch.Tensor) -> None:
         """Every joined tensor's top-k of |x| (x: the layout's flat float32 values; stage: a flat
@@ -241,7 +244,7 @@ class GroupedSparseLoCo:
             return self.positions.expand(world, 0), messages.new_empty(world, 0, dtype=torch.float32), []
         got, flags = self.map.read(messages), []
         T = len(self.tensors)
-        levels = got[: world * T * LEVEL_BYTES].view(torch.float32).view(world, T * LEVELS)    # [W, 4T]
+        levels = got[: world * T * self.level_bytes].view(torch.float32).view(world, T * self.L)    # [W, L·T]
         positions = torch.empty(world, self.kept, dtype=torch.int64, device=messages.device)
         padding = self.received_padding = None if self.padding is None else torch.zeros(
             world, self.kept, dtype=torch.bool, device=messages.device)
@@ -256,7 +259,7 @@ class GroupedSparseLoCo:
             # [W·G, k] -> [W, G, k]: each rank's chunks against the family's chunk origins
             f.positions(idx.view(world, f.rows, f.k), positions[:, f.kept].view(world, f.rows, f.k),
                         padding[:, f.kept].view(world, f.rows, f.k) if f.padded else None)
-        codes = self._unpack(got, s, world).add_(self.segment.level_of)                   # [W, K]: 4 · tensor + q
+        codes = self._unpack(got, s, world).add_(self.segment.level_of)                   # [W, K]: L · tensor + q
         values = levels.gather(1, codes)
         flags.append(checks.nonfinite(values))
         return positions, values if padding is None else values.masked_fill_(padding, -0.0), flags

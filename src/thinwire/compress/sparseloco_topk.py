@@ -7,14 +7,15 @@ choices, on any tensor.
                    way, Python's round, half to even); a full chunk × chunk chunk keeps topk
     values '2bit'  the kept values of the whole tensor are one row of the '2bit' codec
                    (`thinwire.wire.twobit`): one set of 4 levels per tensor, as the reference
-                   quantizes each tensor's values together. Other formats keep ChunkedTopK's
-                   rows, one per chunk (one scale per chunk for int8).
+                   quantizes each tensor's values together; '8bit' the same with 256 levels
+                   (`thinwire.wire.eightbit`, Templar's default). Other formats keep
+                   ChunkedTopK's rows, one per chunk (one scale per chunk for int8).
 
 Wire format of one tensor of C chunks of E elements each: the C·k chunk-local indices in
 ceil(log2 E) bits each, bit-packed (indices='elias-fano': each chunk's ascending, in
 ceil(C·k·L / 8) + ceil(C·(k + ((E − 1) >> L) + 1) / 8) bytes, L = floor(log2(E / k)),
 `thinwire.wire.indices`), then the values, in the indices' order:
-    2bit  16 + ceil(C·k / 4) bytes     int8  4·C + C·k     bf16  2·C·k     fp32  4·C·k
+    2bit  16 + ceil(C·k / 4) bytes     8bit  1024 + C·k     int8  4·C + C·k     bf16  2·C·k     fp32  4·C·k
 
 `encode_sent` is `encode` that also returns what every receiver will decode from the bytes,
 for the sender's error feedback. With the identity transform that is sparse: the C·k values
@@ -34,7 +35,8 @@ from .payload import check_buffer
 from .topk import ChunkedTopK, Read
 
 SPARSE_TRANSFORMS = ("identity", "dct")           # top-k on the values themselves (the paper's default) or on DCT-II
-SPARSE_VALUES = ("2bit", "int8", "bf16", "fp32")
+SPARSE_VALUES = ("2bit", "8bit", "int8", "bf16", "fp32")
+PER_TENSOR_VALUES = ("2bit", "8bit")              # statistical quantizers: one row (one set of levels) per tensor
 
 
 class Sent(NamedTuple):
@@ -45,10 +47,12 @@ class Sent(NamedTuple):
 
 
 class OneRow:
-    """A value codec applied to all values of a [rows, cols] tensor as a single row."""
+    """A value codec applied to all values of a [rows, cols] tensor as a single row (a
+    `StatisticalCodec`: its `levels` per row and `bits` per code shown through)."""
 
     def __init__(self, codec):
         self.codec, self.name, self.lossless = codec, codec.name, codec.lossless
+        self.levels, self.bits = codec.levels, codec.bits
 
     def nbytes(self, rows: int, cols: int) -> int:
         return self.codec.nbytes(1, rows * cols)
@@ -73,7 +77,7 @@ class SparseLoCoTopK(ChunkedTopK):
         super().__init__(topk, chunk, transform, values, indices=indices)
         if self.topk > self.chunk ** 2:
             raise ValueError(f"topk must be at most chunk**2 = {self.chunk ** 2} (every element), got {topk}")
-        if values == "2bit":
+        if values in PER_TENSOR_VALUES:
             self.codec = OneRow(self.codec)
         self._buffer: torch.Tensor | None = None                     # `scratch`, grown as needed
 

@@ -28,6 +28,7 @@ k = max(1, round(E · topk / chunk²)) (≤ E) kept per chunk,
 
     ceil(C · k · ceil(log2 E) / 8)            bit-packed chunk-local indices, then the values:
     2bit  16 + ceil(C · k / 4)                4 float32 levels per tensor, 2-bit codes
+    8bit  1024 + C · k                        256 float32 levels per tensor, 1-byte codes
     int8  4 C + C k      bf16  2 C k      fp32  4 C k
 
 (indices='elias-fano': ceil(C k L / 8) + ceil(C (k + ((E − 1) >> L) + 1) / 8) bytes of indices,
@@ -65,8 +66,11 @@ Where this differs from the paper's reference code (tplr's sparseloco.py):
     chunk (the reference takes its largest divisor ≤ chunk: 130 → chunks of 26 at chunk 64, a
     prime → chunks of 1, every element sent).
   * 8-bit values: the reference's TopKCompressor defaults to its statistical quantizer with 256
-    levels (the 2-bit one is the same with 4); values='int8' here is absmax per chunk (a float32
-    scale per chunk, codes in [−127, 127]), another quantizer at about the same bytes.
+    levels (its hparams.json sets 4: '2bit'): values='8bit' (`thinwire.wire.eightbit`), with the
+    2-bit one's differences (statistics in float64, 256 levels sent as bin means instead of a
+    shift and 256 centred means; on a row whose mean is large against its spread the
+    reference's float32 rounds its levels to an ulp of the mean). values='int8' is another
+    quantizer: absmax per chunk (a float32 scale per chunk, codes in [−127, 127]).
   * k keeps the density on smaller chunks with transform='dct' too (the reference scales k
     only on its identity path).
   * indices are ceil(log2 E)-bit packed and everything travels in one all-gathered buffer (the
@@ -159,7 +163,8 @@ class SparseLoCo(DiLoCo):
         topk: values kept per chunk × chunk chunk (default 128: 3.1 %); smaller chunks keep
             the same density. 1 <= topk <= chunk².
         chunk: target chunk side (default 64: 64 × 64 chunks).
-        values: '2bit' (default, 4 levels per tensor) | 'int8' | 'bf16' | 'fp32'.
+        values: '2bit' (default, 4 levels per tensor) | '8bit' (256 levels per tensor: 1 KiB of
+            levels a tensor, then a byte a value; Templar's default) | 'int8' | 'bf16' | 'fp32'.
         transform: 'identity' (default: top-k of the values) | 'dct' (of their chunked DCT-II).
         indices: 'packed' (default: ceil(log2 E) bits each) | 'elias-fano' (each chunk's ascending,
             about log2(E / k) + 2 bits each: 7 instead of 10 at 32 of 1024; lossless, the same Δ̂).

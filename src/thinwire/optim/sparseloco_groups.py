@@ -4,7 +4,7 @@ module docstring) with a number of operations that does not grow with the parame
     Δ = θ₀ − θ;  e = β e + Δ        `_foreach_copy_`, `_foreach_sub_`, `_foreach_add_` into the
                                     flat e' buffer (tensor by tensor in layout order, as before)
     Δ̂_r = Q(TopK(e))               `GroupedSparseLoCo`: one top-k per chunk shape, one 2-bit
-                                    quantization of every kept value (levels per tensor), one
+                                    (or 8-bit) quantization of every kept value (levels per tensor), one
                                     packing per stream, one scatter into the message
     e' = e − Δ̂_r                   one index_add_ of every kept value into the flat e'
     θ ← θ₀ − c α Δ̂_r (eager)       in the flat θ_s buffer: `_foreach_copy_`, one index_add_,
@@ -15,7 +15,7 @@ module docstring) with a number of operations that does not grow with the parame
     e ← e';  θ₀ ← θ₀ − α Δ̄;  θ ← θ₀ (+ θ − θ_s)   `_foreach_*` ops
 
 A parameter joins when it is float32, bfloat16 or float16 and `sparseloco_grouped.joins` its
-shape ('identity' top-k, '2bit' values; padded chunks too); the others go tensor by tensor as
+shape ('identity' top-k, '2bit' or '8bit' values; padded chunks too); the others go tensor by tensor as
 on the per-tensor path (`SparseLoCo.grouped = False` sends every parameter there: the
 reference, bit for bit the same on CPU, tests/optim/test_sparseloco_groups.py). On a GPU, a
 top-k over more rows may break ties between equal magnitudes otherwise, and `_foreach_add_`

@@ -53,7 +53,7 @@ class TrainConfig:
     sync_delay: int = 0          # diloco-delayed, sparseloco-delayed: steps a sync stays in flight (0: sync_every)
     sparseloco_topk: int = 128   # SparseLoCo: values kept per chunk x chunk chunk (the paper's 128 of 64 x 64)
     sparseloco_chunk: int = 64   # SparseLoCo: target chunk side
-    sparseloco_values: str = "2bit"  # SparseLoCo: wire format of the kept values (2bit, int8, bf16, fp32)
+    sparseloco_values: str = "2bit"  # SparseLoCo: wire format of the kept values (2bit, 8bit, int8, bf16, fp32)
     sparseloco_indices: str = "packed"  # SparseLoCo: coding of the kept indices (packed, elias-fano)
     sparseloco_error_decay: float = 0.95  # SparseLoCo: β of the error feedback e <- βe + Δ (the paper's 0.95)
     sparseloco_outer_lr: float = 1.0      # SparseLoCo: α of the outer step θ₀ <- θ₀ - α mean(Δ̂) (the paper's 1)
@@ -164,7 +164,7 @@ FIELD_HELP = {
     "sparseloco_topk": "SparseLoCo: values kept per chunk x chunk chunk, the density on every chunk "
                        "(default 128: 3.1 %%, the paper's)",
     "sparseloco_chunk": "SparseLoCo: target chunk side (default 64; 32 packs each index in 10 bits, not 12)",
-    "sparseloco_values": "SparseLoCo: wire format of the kept values, 2bit|int8|bf16|fp32 (default 2bit)",
+    "sparseloco_values": "SparseLoCo: wire format of the kept values, 2bit|8bit|int8|bf16|fp32 (default 2bit)",
     "sparseloco_indices": "SparseLoCo: coding of the kept indices, packed|elias-fano (default packed: "
                           "ceil(log2 E) bits each; elias-fano: each chunk's sorted, 7 bits each at 32 of 1024, lossless)",
     "sparseloco_error_decay": "SparseLoCo: decay beta of the error feedback e <- beta e + delta, in [0, 1] "
