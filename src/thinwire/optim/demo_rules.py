@@ -36,6 +36,10 @@ def check_group(g: dict) -> None:
                         ("momentum_form", MOMENTUM_FORMS)):
         if g[name] not in valid:
             raise ValueError(f"{name} must be one of {valid}, got {g[name]!r}")
+    if g["values"] == "8bit":                       # its statistics are per row, and DeMo's rows are chunks
+        raise ValueError("values='8bit' sends a 256-level table (1,024 bytes) with every row, and DeMo's rows "
+                         "are its chunks (topk values each): use 'int8', or '8bit' with SparseLoCo, whose rows are "
+                         "whole tensors")
     if g["momentum_domain"] == "transform" and g["transform"] == "random":
         raise ValueError("momentum_domain='transform' needs a fixed basis: transform must be 'dct' or 'identity'")
     if not g["weight_decay"] >= 0.0:
