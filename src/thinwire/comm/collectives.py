@@ -22,9 +22,11 @@ single collective. Signs follow `thinwire.wire.pack_signs`: bit 1 for y >= 0, so
 zero (and -0.0) is sent as +s, as in DeepSpeed, and its error −s is fed back; NaN codes as
 −s, but its scale is NaN too, and callers flag non-finite input in the header anyway.
 
-Decoding looks each byte up in a [256, 8] table of ±scale (one gather per phase), and a
-rank's own ŷ and ẑ are decoded from the very bytes it sends, so the error it keeps is
-exactly input − (what every receiver decodes). Buffers are reused through an optional
+Decoding looks each byte up in a [256, 8] table of ±1 (one gather per phase) and multiplies
+by the scale (exact); a rank's own ŷ and ẑ are ±scale by the very bits it packs, so the
+error it keeps is exactly input − (what every receiver decodes). Nothing is read on the
+host: the scales' overflow-safe norm (`rms_scales`), the packing (`pack_rows`) and a
+flagged step's masked error updates (`finish(skip=...)`) all stay on the device. Buffers are reused through an optional
 `workspace` dict, since on CPU fresh multi-MB tensors cost more in page faults than the
 arithmetic done in them.
 
@@ -42,11 +44,10 @@ from typing import Callable
 
 import torch
 
-from ..wire import SignCodec, get_codec, pack_signs
+from ..wire import get_codec
 from .communicator import Communicator
 
 SCALE_NBYTES = 4
-_RMS = SignCodec("rms")   # overflow-safe sqrt(mean x^2), taken relative to max |x|: the slow fallback
 
 
 def padded_numel(numel: int, world_size: int) -> int:
@@ -67,16 +68,24 @@ def _buf(workspace: dict | None, name: str, shape: tuple, dtype: torch.dtype, de
     return buf
 
 
-def rms_scales(y: torch.Tensor) -> torch.Tensor:
-    """||y_r||_2 / sqrt(cols) per row of y [rows, cols], float32. The fast norm overflows above
-    ~1e19 and underflows below ~1e-19; such rows (and non-finite ones) take the safe path."""
-    scales = torch.linalg.vector_norm(y, dim=1).div_(math.sqrt(y.shape[1]))
-    if not bool(torch.isfinite(scales).all()) or bool((scales == 0).any()):
-        scales = _RMS.row_scale(y)
-    return scales
+def rms_scales(y: torch.Tensor, workspace: dict | None = None) -> torch.Tensor:
+    """||y_r||_2 / sqrt(cols) per row of y [rows, cols], float32, with no host read. Each row is
+    divided by p_r, the power of two at or below its largest magnitude (at least 2^-126), and
+    multiplied back after the norm: both exact, so the result is the plain norm's bit for bit
+    wherever that neither overflows (above ~1e19) nor underflows (below ~1e-19), and finite
+    there too. A non-finite row gives a non-finite scale."""
+    rows, cols = y.shape
+    peak = torch.linalg.vector_norm(y, float("inf"), dim=1)                     # [rows] max |y_r|
+    # p = 2^floor(log2 peak): peak's exponent bits alone (0x7F800000), at least 2^-126
+    p = peak.view(torch.int32).bitwise_and_(0x7F800000).view(torch.float32).clamp_min_(2.0 ** -126)
+    # y_r / p_r, exact: its largest magnitude is in [1, 2)
+    rel = torch.div(y, p[:, None], out=_buf(workspace, "rel", (rows, cols), torch.float32, y.device))
+    # s_r = ||y_r / p_r|| · p_r / sqrt(cols)
+    return torch.linalg.vector_norm(rel, dim=1).mul_(p).div_(math.sqrt(cols))
 
 
 _SIGN_TABLE: dict = {}
+_BIT_WEIGHTS: dict = {}
 
 
 def _sign_table(device) -> torch.Tensor:
@@ -88,15 +97,32 @@ def _sign_table(device) -> torch.Tensor:
     return _SIGN_TABLE[key]
 
 
+def _bit_weights(device) -> torch.Tensor:
+    """[8] uint8: 2^j, the weight of bit j of a byte."""
+    key = str(device)
+    if key not in _BIT_WEIGHTS:
+        _BIT_WEIGHTS[key] = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=device)
+    return _BIT_WEIGHTS[key]
+
+
+def pack_rows(flags: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """flags [rows, cols] bool (contiguous, cols a multiple of 8) -> out [rows, cols/8] uint8
+    (may be a strided slice of a message): bit j of byte k = flags[8k + j], as `pack_signs`."""
+    rows, cols = flags.shape
+    # byte k = Σ_j 2^j b_(8k+j): at most 255, exact in uint8
+    bits = flags.view(torch.uint8).view(rows, cols // 8, 8)                      # [rows, cols/8, 8]
+    return torch.sum(bits * _bit_weights(flags.device), dim=2, dtype=torch.uint8, out=out)
+
+
 def decode_signs(scales: torch.Tensor, bits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """scales [rows] float32, bits [rows, cols/8] uint8 -> ±scale [rows, cols] (into `out` if given)."""
+    """scales [rows] float32, bits [rows, cols/8] uint8 (may be strided) -> ±scale [rows, cols]
+    (into `out` if given): one lookup of ±1 per byte, then one multiply (exact)."""
     rows, nbytes = bits.shape
-    tables = (_sign_table(bits.device)[None] * scales.view(rows, 1, 1)).view(rows * 256, 8)  # exact: ±s
-    index = bits.to(torch.int64).add_(torch.arange(rows, device=bits.device)[:, None] * 256)
     if out is None:
         out = torch.empty(rows, nbytes * 8, dtype=torch.float32, device=bits.device)
-    torch.index_select(tables, 0, index.view(-1), out=out.view(rows * nbytes, 8))
-    return out
+    index = bits.to(torch.int32).view(-1)                                        # [rows · cols/8]
+    torch.index_select(_sign_table(bits.device), 0, index, out=out.view(rows * nbytes, 8))
+    return out.mul_(scales.view(rows, 1))
 
 
 def _scale_bytes(scales: torch.Tensor) -> torch.Tensor:
@@ -105,19 +131,35 @@ def _scale_bytes(scales: torch.Tensor) -> torch.Tensor:
 
 def _read_scales(block: torch.Tensor) -> torch.Tensor:
     """[rows, 4] uint8 (maybe a strided slice) -> float32 [rows]."""
-    return block.reshape(-1).clone().view(torch.float32)   # a fresh 1-D copy: aligned for the view
+    return block.clone(memory_format=torch.contiguous_format).view(-1).view(torch.float32)  # fresh: aligned
 
 
 def sign_message(y: torch.Tensor, h: int = 0, workspace: dict | None = None, name: str = "send"):
     """y [rows, cols] -> (message [rows, h + 4 + cols/8] uint8 with the first h bytes of each row
-    left for a header, scale and packed signs after them; scales [rows])."""
+    left for a header, scale and packed signs after them; scales [rows]; y >= 0 [rows, cols])."""
     rows, cols = y.shape
-    scales = rms_scales(y)
+    scales = rms_scales(y, workspace)
     send = _buf(workspace, name, (rows, h + SCALE_NBYTES + cols // 8), torch.uint8, y.device)
     send[:, h: h + SCALE_NBYTES] = _scale_bytes(scales)
-    bits = pack_signs(y, out=_buf(workspace, name + "_bits", (rows * cols // 8,), torch.uint8, y.device))
-    send[:, h + SCALE_NBYTES:] = bits.view(rows, cols // 8)
-    return send, scales
+    positive = torch.ge(y, 0, out=_buf(workspace, name + "_ge", (rows, cols), torch.bool, y.device))
+    pack_rows(positive, send[:, h + SCALE_NBYTES:])
+    return send, scales, positive
+
+
+def sign_error_(target: torch.Tensor, scales: torch.Tensor, positive: torch.Tensor, error: torch.Tensor,
+                skip: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> None:
+    """error ← target − ŷ, ŷ = ±scale per row as the message codes it (+ where `positive`):
+    what every receiver decodes, exactly. Where `skip` (a 0-dim bool), error is left as it was."""
+    rows = target.shape[0]
+    # ŷ = where(y >= 0, s, −s)
+    y_hat = torch.where(positive, scales.view(rows, 1), scales.neg().view(rows, 1),
+                        out=scratch if scratch is not None else torch.empty_like(target))
+    if skip is None:
+        # e ← y − ŷ
+        torch.sub(target, y_hat, out=error)
+        return
+    # e ← y − ŷ, or e where skip
+    torch.where(skip, error, y_hat.neg_().add_(target), out=error)
 
 
 class OneBitAllReduce:
@@ -125,15 +167,19 @@ class OneBitAllReduce:
     phase 1 (asynchronously); `wait_headers` returns every rank's header bytes once phase 1
     arrived, before any state changes; then either `abandon` (a flagged step: no error
     buffer is touched) or `finish` (worker and server errors updated in place, phase 2 run,
-    m̄ returned)."""
+    m̄ returned). `finish(skip=...)` decides on the device instead: phase 2 runs either way and
+    the errors stay as they were where `skip` (a 0-dim bool) is set. Nothing here reads the
+    device on the host."""
 
     def __init__(self, comm: Communicator, tag: str = "payload", workspace: dict | None = None):
         self.comm, self.tag = comm, tag
         self.workspace = {} if workspace is None else workspace
         self._state = None
 
-    def start(self, x: torch.Tensor, worker_error: torch.Tensor, header: torch.Tensor | None = None) -> None:
-        """x, worker_error: float32 [N], N a multiple of 8W; header: uint8 bytes prefixed to every chunk."""
+    def start(self, x: torch.Tensor, worker_error: torch.Tensor, header: torch.Tensor | None = None,
+              flag: tuple[int, int] | None = None) -> None:
+        """x, worker_error: float32 [N], N a multiple of 8W; header: uint8 bytes prefixed to every
+        chunk; flag (byte, bit): set in every chunk's header when a scale of y is not finite."""
         w, n = self.comm.world_size, x.numel()
         if n % (8 * w) or worker_error.numel() != n:
             raise ValueError(f"x and worker_error need N = a multiple of 8W = {8 * w} elements; "
@@ -141,11 +187,17 @@ class OneBitAllReduce:
         c, h, ws = n // w, 0 if header is None else header.numel(), self.workspace
         # y = x + e_w, [W, c]: chunk j goes to server rank j
         y = torch.add(x, worker_error, out=_buf(ws, "y", (n,), torch.float32, x.device)).view(w, c)
-        send, scales = sign_message(y, h, ws, "send1")
+        send, scales, positive = sign_message(y, h, ws, "send1")
         if h:
             send[:, :h] = header
+            if flag is not None:
+                # non-finite y ⇔ a non-finite scale: s − s is NaN exactly then
+                largest = scales.max()
+                gap = largest - largest
+                bit = gap.ne(gap).to(torch.uint8)
+                send[:, flag[0]].bitwise_or_(bit if flag[1] == 1 else bit.mul_(flag[1]))
         pending = self.comm.all_to_all(send.view(-1), tag=self.tag, send_own=False, async_op=True)
-        self._state = (pending, y, send, scales, h)
+        self._state = (pending, y, scales, positive, h)
 
     def wait_headers(self) -> torch.Tensor:
         pending, *rest = self._state
@@ -157,20 +209,19 @@ class OneBitAllReduce:
         self._state = None
 
     def finish(self, worker_error: torch.Tensor, server_error: torch.Tensor,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        received, y, send, scales, h = self._state
+               out: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> torch.Tensor:
+        received, y, scales, positive, h = self._state
         self._state, ws = None, self.workspace
         w, c = y.shape
         if server_error.numel() != c:
             raise ValueError(f"server_error needs N / W = {c} elements, got {server_error.numel()}")
         dev = y.device
-        y_hat = decode_signs(scales, send[:, h + SCALE_NBYTES:], out=_buf(ws, "decoded", (w, c), torch.float32, dev))
-        torch.sub(y, y_hat, out=worker_error.view(w, c))             # e_w ← y − ŷ, ŷ decoded from the bytes sent
+        scratch = _buf(ws, "decoded", (w, c), torch.float32, dev)
+        sign_error_(y, scales, positive, worker_error.view(w, c), skip, scratch)   # e_w ← y − ŷ
         z = server_mean(received, h, ws).add_(server_error)          # z = mean_i ŷ_i + e_s
-        send2, z_scale = sign_message(z.view(1, c), 0, ws, "send2")
+        send2, z_scale, z_positive = sign_message(z.view(1, c), 0, ws, "send2")
         gathered = self.comm.all_gather(send2.view(-1), tag=self.tag)    # [W, 4 + c/8], rank order
-        z_hat = decode_signs(z_scale, send2[:, SCALE_NBYTES:], out=_buf(ws, "decoded_z", (1, c), torch.float32, dev))
-        torch.sub(z, z_hat.view(c), out=server_error)                # e_s ← z − ẑ
+        sign_error_(z.view(1, c), z_scale, z_positive, server_error.view(1, c), skip, scratch[:1])  # e_s ← z − ẑ
         if out is None:
             out = torch.empty(w * c, dtype=torch.float32, device=dev)
         decode_signs(_read_scales(gathered[:, :SCALE_NBYTES]), gathered[:, SCALE_NBYTES:], out=out.view(w, c))
@@ -204,8 +255,12 @@ def server_mean(received: torch.Tensor, h: int = 0, workspace: dict | None = Non
     w, c = received.shape[0], (received.shape[1] - h - SCALE_NBYTES) * 8
     decoded = decode_signs(_read_scales(received[:, h: h + SCALE_NBYTES]), received[:, h + SCALE_NBYTES:],
                            out=_buf(workspace, "decoded", (w, c), torch.float32, received.device))
-    total = _buf(workspace, "z", (c,), torch.float32, received.device).copy_(decoded[0])
-    for row in decoded[1:]:   # W rows, not elements: a fixed, documented summation order
+    total = _buf(workspace, "z", (c,), torch.float32, received.device)
+    if w == 1:
+        total.copy_(decoded[0])
+    else:
+        torch.add(decoded[0], decoded[1], out=total)
+    for row in decoded[2:]:   # W rows, not elements: a fixed, documented summation order
         total.add_(row)
     return total.div_(w)
 

@@ -54,10 +54,12 @@ import torch
 
 from ..comm.collectives import padded_numel
 from ..ops import adam_denominator, adam_moments_
+from .apmsqueeze_groups import frozen_denominator
+from .apmsqueeze_steps import GroupedSteps
 from .base import CommunicatingOptimizer, Member, flatten_grads
 from .exchange import ReduceAll
-from .relay import OneBitReduce
 from .flat import spans, views
+from .relay import OneBitReduce
 
 ERRORS_KEY = "apmsqueeze"
 ERROR_RESUME = ("exact", "reset")
@@ -91,18 +93,6 @@ def local_momentum(out: torch.Tensor, m_bar: torch.Tensor, g: torch.Tensor | Non
         out.add_(g, alpha=1 - beta1)
 
 
-def frozen_denominator(v: torch.Tensor, t_v: int, beta2: float, eps: float, bias_correction: bool,
-                       mask_unseen: bool) -> torch.Tensor:
-    """The compressed phase's denominator from the frozen v (a new tensor)."""
-    bias_correction2 = 1 - beta2 ** t_v if bias_correction and t_v > 0 else 1.0
-    # D = sqrt(v / (1 − β2^T_w)) + ε
-    denom = adam_denominator(v, bias_correction2, eps)
-    if mask_unseen:
-        # D ← +∞ where sqrt(v̂) < ε (v = 0 included: no gradient above Adam's floor ε in warmup): m̄ / D = 0
-        denom.masked_fill_(v.sqrt() / math.sqrt(bias_correction2) < eps, math.inf)
-    return denom
-
-
 def adam_update_(p: torch.Tensor, m: torch.Tensor, denom: torch.Tensor, lr: float, weight_decay: float,
                  bias_correction1: float) -> None:
     """The parameter step, as torch.optim.AdamW takes it."""
@@ -113,7 +103,7 @@ def adam_update_(p: torch.Tensor, m: torch.Tensor, denom: torch.Tensor, lr: floa
     p.addcdiv_(m, denom, value=-lr / bias_correction1)
 
 
-class APMSqueeze(CommunicatingOptimizer):
+class APMSqueeze(GroupedSteps, CommunicatingOptimizer):
     """Adam for `warmup_steps`, then 1-bit compressed momentum with frozen v (module docstring).
 
     Args:
@@ -177,6 +167,7 @@ class APMSqueeze(CommunicatingOptimizer):
         self._x: torch.Tensor | None = None              # [N] float32: m_i out, m̄ back
         self._spans: dict = {}                           # p -> (offset, numel) in the flat buffers, compressed steps
         self._denoms: dict = {}                          # p -> (settings, D): v is frozen
+        self._init_grouped()
 
     def add_param_group(self, param_group: dict) -> None:
         _check_group({**self.defaults, **param_group})
@@ -211,10 +202,13 @@ class APMSqueeze(CommunicatingOptimizer):
         if self._x is None or self._x.numel() != n or self._x.device != device:
             self._x = torch.empty(n, dtype=torch.float32, device=device)
         self._spans = dict(zip((m.key for m in layout), spans(m.param.numel() for m in layout)))
+        self._onebit.deferred = self.nonfinite == "skip" and self._grouped_now(layout)
         self._onebit.resize(len(layout), self._x, self.worker_error, self.server_error)
         return self._onebit
 
     def _prepare(self, step: int, layout: list[Member]) -> None:
+        if self._grouped_now(layout):
+            return self._flat.bind(self.state, layout)
         for _, p, key in layout:
             state = self.state[key]
             if "exp_avg" not in state:
@@ -226,6 +220,8 @@ class APMSqueeze(CommunicatingOptimizer):
     def _encode(self, step: int, layout: list[Member], exchange) -> None:
         if exchange is None:
             return
+        if self._grouped_now(layout):
+            return self._encode_grouped(step, layout, exchange)
         if step <= self.warmup_steps:                        # the gradients, to be averaged
             flatten_grads([m.param for m in layout], exchange.payload)
             return
@@ -236,6 +232,8 @@ class APMSqueeze(CommunicatingOptimizer):
 
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         """Warmup: delivery.data is the mean gradient; compressed: m̄. Both flat, float32."""
+        if self._grouped_now(layout):
+            return self._apply_grouped(step, layout, delivery)
         warmup, parts = step <= self.warmup_steps, views(delivery.data, [m.param for m in layout])
         for (group, p, key), part, anywhere in zip(layout, parts, delivery.present.tolist()):
             if not anywhere:
@@ -283,6 +281,8 @@ class APMSqueeze(CommunicatingOptimizer):
 
     # ---- checkpoints --------------------------------------------------------------------------
     def state_dict(self):
+        self._verdicts.judge()                               # step counts of skipped steps taken back
+        self._settle_counts()
         state = super().state_dict()
         state[ERRORS_KEY] = {"worker_error": self.worker_error, "server_error": self.server_error,
                              "world_size": self.comm.world_size, "rank": self.comm.rank, "phase": self.phase,
@@ -294,7 +294,7 @@ class APMSqueeze(CommunicatingOptimizer):
         saved = state_dict.pop(ERRORS_KEY, None)
         super().load_state_dict(state_dict)
         self.worker_error = self.server_error = None
-        self._spans, self._denoms = {}, {}
+        self._spans, self._denoms, self._counted = {}, {}, {}
         if saved is None or saved["worker_error"] is None:
             return
         here = (self.comm.world_size, self.comm.rank)

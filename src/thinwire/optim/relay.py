@@ -11,20 +11,31 @@ import torch
 from ..comm import Communicator
 from ..comm.collectives import OneBitAllReduce
 from .delivery import Delivery, presence_bits, put_back, read_now, reuse
-from .protocol import (FLAG_NONFINITE, PeerMismatchError, PrefixWriter, Presence, all_finite, prefix_nbytes,
-                       read_headers, read_presence, write_prefix)
+from .protocol import (FLAG_NONFINITE, HEADER_NBYTES, PeerMismatchError, PrefixWriter, Presence, header_evidence,
+                       headers_skip, judge_headers, prefix_nbytes, read_headers, read_presence, read_verdict,
+                       write_prefix)
 
 FLAG_SERVER_ERROR = 2          # a relayed answer's flag: the server rejected this step's messages
+FLAGS_BYTE = 2                 # the header's flags byte (`protocol`)
 
 
 class OneBitReduce:
     """APMSqueeze's compressed all-reduce of a flat float32 vector with worker and server
-    error feedback; the prefix travels at the head of every phase-1 chunk. data: m̄ [N]."""
+    error feedback; the prefix travels at the head of every phase-1 chunk. data: m̄ [N].
+
+    A rank whose y = m_i + δ_i is not finite (finite gradients can still make a non-finite
+    momentum or error, near float max) sets its flag in the chunks' headers on the device.
+    `deferred` (nonfinite='skip' with an algorithm that lands masked) reads nothing on the
+    host: phase 2 runs on a flagged step too, the error buffers stay as they were where the
+    device's verdict says skip, and the delivery is `deferrable`. Otherwise the headers are
+    read once after phase 1, and a flagged step is abandoned before phase 2."""
 
     def __init__(self, comm: Communicator, tag: str = "payload"):
         self.comm, self.tag, self.n_params = comm, tag, 0
         self.reduce = OneBitAllReduce(comm, tag)
         self.prefix = None
+        self.deferred = False
+        self._expected: torch.Tensor | None = None    # this rank's header, flags byte 0 (deferred)
         self._prefix, self._present = PrefixWriter(), []
 
     def resize(self, n_params: int, x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor):
@@ -37,9 +48,6 @@ class OneBitReduce:
         return self.x
 
     def seal(self, step: int, flags: int, present: list[bool], nonfinite: torch.Tensor | None = None) -> None:
-        # finite gradients can still make a non-finite momentum or error (overflow near float max)
-        if not all_finite([self.x, self.worker_error]):
-            flags |= FLAG_NONFINITE
         self._prefix.write(self.prefix, step, flags, present, nonfinite)
         self._present = list(present)
 
@@ -54,16 +62,34 @@ class OneBitReduce:
         self.start()
 
     def start(self) -> None:
-        self.reduce.start(self.x, self.worker_error, self.prefix)
+        self.reduce.start(self.x, self.worker_error, self.prefix, flag=(FLAGS_BYTE, FLAG_NONFINITE))
 
     def finish(self, step: int) -> Delivery:
         prefixes = self.reduce.wait_headers()                    # [W, prefix], before any state changes
-        flagged = read_headers(prefixes, step)
         present = Presence(self._present, lambda: read_presence(prefixes, self.n_params))
+        if self.deferred:
+            return self._finish_deferred(step, prefixes, present)
+        flagged = read_headers(prefixes, step)
         if flagged:
             self.reduce.abandon()
             return Delivery(read_now(flagged), present, None)
         return Delivery(read_now([]), present, self.reduce.finish(self.worker_error, self.server_error, out=self.x))
+
+    def _finish_deferred(self, step: int, prefixes: torch.Tensor, present: Presence) -> Delivery:
+        """Phase 2 under the device's verdict (no host read); the delivery defers its judgement."""
+        self._expected = reuse(self._expected, HEADER_NBYTES, torch.uint8, self.prefix.device)
+        self._expected.copy_(self.prefix[:HEADER_NBYTES])
+        self._expected[FLAGS_BYTE].fill_(0)                      # any rank's flag differs from it
+        skip = headers_skip(prefixes, self._expected)
+        data = self.reduce.finish(self.worker_error, self.server_error, out=self.x, skip=skip)
+        world = self.comm.world_size
+
+        def defer(extra: list) -> tuple:
+            if extra:
+                raise ValueError("OneBitReduce's deferred verdict masks the error feedback by the headers "
+                                 "alone: the algorithm's arrival flags cannot join it")
+            return skip, header_evidence(prefixes), lambda values: judge_headers(values, world, step)
+        return Delivery(lambda extra: read_verdict(prefixes, step, extra), present, data, defer)
 
 
 class ServerRelay:

@@ -67,6 +67,10 @@ class PendingVerdicts:
             elif any(malformed):
                 raise ValueError(f"{MALFORMED} at step {step}; that step was not applied on any rank")
 
+    def pending_steps(self) -> set[int]:
+        """The steps whose evidence waits to be judged."""
+        return {step for step, *_ in self._queue}
+
     def clear(self) -> None:
         self._queue.clear()
 
