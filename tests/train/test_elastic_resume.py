@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import json
 import shutil
-import subprocess
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -21,14 +20,14 @@ import pytest
 import torch
 
 from tests.dist import run_workers
-from tests.train.shared import TRAIN, start, wait
+from tests.train.shared import TRAIN, Forked, start, wait
 from thinwire.train.checkpoint import checkpoint_root, latest
 from thinwire.train.config import get_preset
 
 CASES = {"demo": (2, 3, 8), "lordo": (3, 2, 9)}       # optimizer: (old workers, new workers, steps)
 
 
-def _train(out: Path, optimizer: str, workers: int, steps: int, die: str | None = None) -> subprocess.Popen:
+def _train(out: Path, optimizer: str, workers: int, steps: int, die: str | None = None) -> Forked:
     return start([sys.executable, "-m", "thinwire", "train", "--optimizer", optimizer, *TRAIN, "--workers",
                   str(workers), "--steps", str(steps), "--out", str(out), "--checkpoint-every", "4"], die)
 
@@ -41,7 +40,7 @@ def resumed(demo_never_killed, tmp_path_factory):
     root = tmp_path_factory.mktemp("elastic")
     outs, saved = {name: root / name for name in CASES}, {name: root / f"{name}-step-000004" for name in CASES}
 
-    def resume(name: str) -> subprocess.Popen:
+    def resume(name: str) -> Forked:
         _, new, steps = CASES[name]
         assert latest(checkpoint_root(outs[name])).name == "step-000004"
         shutil.copytree(checkpoint_root(outs[name]) / "step-000004", saved[name])

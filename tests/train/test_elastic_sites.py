@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 import torch
 
 from tests.dist import run_workers
-from tests.train.shared import start, wait
+from tests.train.shared import Forked, start, wait
 from tests.train.test_elastic_resume import _mixed, _old_blobs, _weights
 from thinwire.train.checkpoint import checkpoint_root, latest
 from thinwire.train.config import get_preset
@@ -34,7 +33,7 @@ def _argv(name: str, sites: int, out: Path) -> list[str]:
     return ["train", "--optimizer", name, *FLAGS, "--workers", str(sites * P), "--sites", str(sites), "--out", str(out)]
 
 
-def _train(out: Path, name: str, sites: int, die: str | None = None) -> subprocess.Popen:
+def _train(out: Path, name: str, sites: int, die: str | None = None) -> Forked:
     return start([sys.executable, "-m", "thinwire", *_argv(name, sites, out)], die)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.train.shared import TRAIN, cli_here, run_train, train_argv, train_env
+from tests.train.shared import TRAIN, Forked, cli_here, run_train, start, train_argv, train_env
 from thinwire.train.checkpoint import CheckpointError, check, checkpoint_root, expected_meta, latest, read_model
 from thinwire.train.config import get_preset
 
@@ -92,8 +92,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _workers(out: Path, optimizer: str, world: int, die: str, timeout: float) -> list[subprocess.Popen]:
-    """`world` workers as torchrun would start them, with no agent to restart (or kill) anyone."""
+def _workers(out: Path, optimizer: str, world: int, die: str, timeout: float) -> list[Forked]:
+    """`world` workers as torchrun would start them (its environment), with no agent to restart
+    (or kill) anyone; each `python -m thinwire.train` forked from the tests' server (shared.start)."""
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -102,7 +103,7 @@ def _workers(out: Path, optimizer: str, world: int, die: str, timeout: float) ->
         cmd = [sys.executable, "-m", "thinwire.train", "--optimizer", optimizer, *TRAIN, "--workers", str(world),
                "--out", str(out), "--checkpoint-every", "4", "--peer-timeout", str(timeout),
                "--steps", str(STEPS.get(optimizer, 8)), *FLAGS.get(optimizer, [])]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(start(cmd, env=env))
     return procs
 
 
@@ -178,7 +179,7 @@ def test_killing_thinwire_train_itself_kills_its_workers_and_the_same_command_re
     the same command again resumes from the last complete checkpoint and finishes."""
     cmd = [sys.executable, "-m", "thinwire", "train", "--optimizer", "demo", *TRAIN, "--steps", "40",
            "--eval-every", "20", "--out", str(tmp_path), "--checkpoint-every", "4"]
-    proc = subprocess.Popen(cmd, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start(cmd)
     while not (checkpoint_root(tmp_path) / "step-000004").exists():
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         time.sleep(0.02)

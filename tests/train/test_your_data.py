@@ -5,7 +5,6 @@ refused in one line before any worker starts."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.train.shared import start, wait
+from tests.train.shared import Forked, start, wait
 from thinwire.train import cli
 from thinwire.train.checkpoint import checkpoint_root, read_model
 
@@ -41,14 +40,14 @@ def corpus(tmp_path_factory) -> dict:
             "vocab": tok.get_vocab_size()}
 
 
-def _train(corpus: dict, out: Path, die: str | None = None) -> subprocess.Popen:
+def _train(corpus: dict, out: Path, die: str | None = None) -> Forked:
     return start([sys.executable, "-m", "thinwire", "train", "--optimizer", "demo", "--model", "llama", "--preset",
                   "tiny", "--data", str(corpus["data"]), "--tokenizer", str(corpus["tokenizer"]), "--data-cache",
                   str(corpus["root"] / "cache"), "--steps", "8", "--eval-every", "4", "--eval-rows", "16",
                   "--workers", "2", "--quiet", "--out", str(out), "--checkpoint-every", "4"], die)
 
 
-def _cached(corpus: dict, proc: subprocess.Popen) -> list[Path]:
+def _cached(corpus: dict, proc: Forked) -> list[Path]:
     """The cache's manifests once `proc` has written one: a cache is written in a hidden
     directory, its manifest last, then renamed into place, so a visible one is whole."""
     while not (manifests := [m for m in (corpus["root"] / "cache").glob("*/manifest.json")
