@@ -46,6 +46,7 @@ import torch
 
 from ..wire import get_codec
 from .communicator import Communicator
+from .onebit_scales import ChunkScales, rms_scales  # noqa: F401  (rms_scales: importable from here too)
 
 SCALE_NBYTES = 4
 
@@ -66,22 +67,6 @@ def _buf(workspace: dict | None, name: str, shape: tuple, dtype: torch.dtype, de
     if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype or buf.device != torch.device(device):
         buf = workspace[name] = torch.empty(shape, dtype=dtype, device=device)
     return buf
-
-
-def rms_scales(y: torch.Tensor, workspace: dict | None = None) -> torch.Tensor:
-    """||y_r||_2 / sqrt(cols) per row of y [rows, cols], float32, with no host read. Each row is
-    divided by p_r, the power of two at or below its largest magnitude (at least 2^-126), and
-    multiplied back after the norm: both exact, so the result is the plain norm's bit for bit
-    wherever that neither overflows (above ~1e19) nor underflows (below ~1e-19), and finite
-    there too. A non-finite row gives a non-finite scale."""
-    rows, cols = y.shape
-    peak = torch.linalg.vector_norm(y, float("inf"), dim=1)                     # [rows] max |y_r|
-    # p = 2^floor(log2 peak): peak's exponent bits alone (0x7F800000), at least 2^-126
-    p = peak.view(torch.int32).bitwise_and_(0x7F800000).view(torch.float32).clamp_min_(2.0 ** -126)
-    # y_r / p_r, exact: its largest magnitude is in [1, 2)
-    rel = torch.div(y, p[:, None], out=_buf(workspace, "rel", (rows, cols), torch.float32, y.device))
-    # s_r = ||y_r / p_r|| · p_r / sqrt(cols)
-    return torch.linalg.vector_norm(rel, dim=1).mul_(p).div_(math.sqrt(cols))
 
 
 _SIGN_TABLE: dict = {}
@@ -115,14 +100,14 @@ def pack_rows(flags: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def decode_signs(scales: torch.Tensor, bits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """scales [rows] float32, bits [rows, cols/8] uint8 (may be strided) -> ±scale [rows, cols]
-    (into `out` if given): one lookup of ±1 per byte, then one multiply (exact)."""
+    """scales [rows] float32 (or each element's, [rows, cols]), bits [rows, cols/8] uint8 (may be
+    strided) -> ±scale [rows, cols] (into `out` if given): one lookup of ±1 per byte, one multiply (exact)."""
     rows, nbytes = bits.shape
     if out is None:
         out = torch.empty(rows, nbytes * 8, dtype=torch.float32, device=bits.device)
     index = bits.to(torch.int32).view(-1)                                        # [rows · cols/8]
     torch.index_select(_sign_table(bits.device), 0, index, out=out.view(rows * nbytes, 8))
-    return out.mul_(scales.view(rows, 1))
+    return out.mul_(scales if scales.dim() == 2 else scales.view(rows, 1))
 
 
 def _scale_bytes(scales: torch.Tensor) -> torch.Tensor:
@@ -130,29 +115,33 @@ def _scale_bytes(scales: torch.Tensor) -> torch.Tensor:
 
 
 def _read_scales(block: torch.Tensor) -> torch.Tensor:
-    """[rows, 4] uint8 (maybe a strided slice) -> float32 [rows]."""
-    return block.clone(memory_format=torch.contiguous_format).view(-1).view(torch.float32)  # fresh: aligned
+    """[rows, 4S] uint8 (maybe a strided slice) -> float32 [rows, S]."""
+    fresh = block.clone(memory_format=torch.contiguous_format)                 # fresh: aligned
+    return fresh.view(-1).view(torch.float32).view(block.shape[0], -1)
 
 
-def sign_message(y: torch.Tensor, h: int = 0, workspace: dict | None = None, name: str = "send"):
-    """y [rows, cols] -> (message [rows, h + 4 + cols/8] uint8 with the first h bytes of each row
-    left for a header, scale and packed signs after them; scales [rows]; y >= 0 [rows, cols])."""
+def sign_message(y: torch.Tensor, h: int = 0, workspace: dict | None = None, name: str = "send",
+                 scales: torch.Tensor | None = None):
+    """y [rows, cols] -> (message [rows, h + 4S + cols/8] uint8 with the first h bytes of each row
+    left for a header, S scales and packed signs after them; scales [rows, S] (given, or one RMS
+    per row); y >= 0 [rows, cols])."""
     rows, cols = y.shape
-    scales = rms_scales(y, workspace)
-    send = _buf(workspace, name, (rows, h + SCALE_NBYTES + cols // 8), torch.uint8, y.device)
-    send[:, h: h + SCALE_NBYTES] = _scale_bytes(scales)
+    scales = rms_scales(y, workspace).view(rows, 1) if scales is None else scales
+    start = h + SCALE_NBYTES * scales.shape[1]
+    send = _buf(workspace, name, (rows, start + cols // 8), torch.uint8, y.device)
+    send[:, h: start] = _scale_bytes(scales).view(rows, -1)
     positive = torch.ge(y, 0, out=_buf(workspace, name + "_ge", (rows, cols), torch.bool, y.device))
-    pack_rows(positive, send[:, h + SCALE_NBYTES:])
+    pack_rows(positive, send[:, start:])
     return send, scales, positive
 
 
 def sign_error_(target: torch.Tensor, scales: torch.Tensor, positive: torch.Tensor, error: torch.Tensor,
                 skip: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> None:
-    """error ← target − ŷ, ŷ = ±scale per row as the message codes it (+ where `positive`):
-    what every receiver decodes, exactly. Where `skip` (a 0-dim bool), error is left as it was."""
-    rows = target.shape[0]
+    """error ← target − ŷ, ŷ = ±scale as the message codes it (+ where `positive`; scales
+    [rows, 1] or each element's): what every receiver decodes, exactly. Where `skip` (a 0-dim
+    bool), error is left as it was."""
     # ŷ = where(y >= 0, s, −s)
-    y_hat = torch.where(positive, scales.view(rows, 1), scales.neg().view(rows, 1),
+    y_hat = torch.where(positive, scales, scales.neg(),
                         out=scratch if scratch is not None else torch.empty_like(target))
     if skip is None:
         # e ← y − ŷ
@@ -171,9 +160,10 @@ class OneBitAllReduce:
     the errors stay as they were where `skip` (a 0-dim bool) is set. Nothing here reads the
     device on the host."""
 
-    def __init__(self, comm: Communicator, tag: str = "payload", workspace: dict | None = None):
+    def __init__(self, comm: Communicator, tag: str = "payload", workspace: dict | None = None, scales=None):
         self.comm, self.tag = comm, tag
         self.workspace = {} if workspace is None else workspace
+        self.scales = ChunkScales() if scales is None else scales     # `thinwire.comm.onebit_scales`
         self._state = None
 
     def start(self, x: torch.Tensor, worker_error: torch.Tensor, header: torch.Tensor | None = None,
@@ -187,7 +177,7 @@ class OneBitAllReduce:
         c, h, ws = n // w, 0 if header is None else header.numel(), self.workspace
         # y = x + e_w, [W, c]: chunk j goes to server rank j
         y = torch.add(x, worker_error, out=_buf(ws, "y", (n,), torch.float32, x.device)).view(w, c)
-        send, scales, positive = sign_message(y, h, ws, "send1")
+        send, scales, positive = sign_message(y, h, ws, "send1", self.scales.worker(y, ws))
         if h:
             send[:, :h] = header
             if flag is not None:
@@ -217,14 +207,17 @@ class OneBitAllReduce:
             raise ValueError(f"server_error needs N / W = {c} elements, got {server_error.numel()}")
         dev = y.device
         scratch = _buf(ws, "decoded", (w, c), torch.float32, dev)
-        sign_error_(y, scales, positive, worker_error.view(w, c), skip, scratch)   # e_w ← y − ŷ
-        z = server_mean(received, h, ws).add_(server_error)          # z = mean_i ŷ_i + e_s
-        send2, z_scale, z_positive = sign_message(z.view(1, c), 0, ws, "send2")
-        gathered = self.comm.all_gather(send2.view(-1), tag=self.tag)    # [W, 4 + c/8], rank order
-        sign_error_(z.view(1, c), z_scale, z_positive, server_error.view(1, c), skip, scratch[:1])  # e_s ← z − ẑ
+        g, rank, start = self.scales, self.comm.rank, SCALE_NBYTES * self.scales.count
+        sign_error_(y, g.spread(scales), positive, worker_error.view(w, c), skip, scratch)   # e_w ← y − ŷ
+        z = server_mean(received, h, ws, lambda s: g.spread(s, rank), g.count).add_(server_error)  # mean ŷ_i + e_s
+        z_scales = g.server(z.view(1, c), rank, ws)
+        send2, _, z_positive = sign_message(z.view(1, c), 0, ws, "send2", z_scales)
+        gathered = self.comm.all_gather(send2.view(-1), tag=self.tag)    # [W, 4S + c/8], rank order
+        sign_error_(z.view(1, c), g.spread(z_scales, rank), z_positive, server_error.view(1, c), skip,
+                    scratch[:1])                                          # e_s ← z − ẑ
         if out is None:
             out = torch.empty(w * c, dtype=torch.float32, device=dev)
-        decode_signs(_read_scales(gathered[:, :SCALE_NBYTES]), gathered[:, SCALE_NBYTES:], out=out.view(w, c))
+        decode_signs(g.spread(_read_scales(gathered[:, :start])), gathered[:, start:], out=out.view(w, c))
         return out
 
 
@@ -249,11 +242,15 @@ def compressed_allreduce(comm: Communicator, x: torch.Tensor, worker_error: torc
     return reduce.finish(worker_error, server_error, out)
 
 
-def server_mean(received: torch.Tensor, h: int = 0, workspace: dict | None = None) -> torch.Tensor:
-    """(Σ_i ŷ_i) / W over the chunk messages received in phase 1 ([W, h + 4 + c/8]), summed in
-    rank order, so the result depends on nothing but the bytes."""
-    w, c = received.shape[0], (received.shape[1] - h - SCALE_NBYTES) * 8
-    decoded = decode_signs(_read_scales(received[:, h: h + SCALE_NBYTES]), received[:, h + SCALE_NBYTES:],
+def server_mean(received: torch.Tensor, h: int = 0, workspace: dict | None = None,
+                spread: Callable | None = None, count: int = 1) -> torch.Tensor:
+    """(Σ_i ŷ_i) / W over the chunk messages received in phase 1 ([W, h + 4S + c/8], S = count
+    scales each), summed in rank order, so the result depends on nothing but the bytes.
+    spread: [W, S] scales -> each element's (default: S = 1, one per row)."""
+    w, start = received.shape[0], h + SCALE_NBYTES * count
+    scales = _read_scales(received[:, h: start])                              # [W, S]
+    c = (received.shape[1] - start) * 8
+    decoded = decode_signs(scales if spread is None else spread(scales), received[:, start:],
                            out=_buf(workspace, "decoded", (w, c), torch.float32, received.device))
     total = _buf(workspace, "z", (c,), torch.float32, received.device)
     if w == 1:

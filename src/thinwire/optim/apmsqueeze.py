@@ -53,6 +53,7 @@ import warnings
 import torch
 
 from ..comm.collectives import padded_numel
+from ..comm.onebit_scales import ChunkScales, TensorScales
 from ..ops import adam_denominator, adam_moments_
 from .apmsqueeze_groups import frozen_denominator
 from .apmsqueeze_steps import GroupedSteps
@@ -63,6 +64,7 @@ from .relay import OneBitReduce
 
 ERRORS_KEY = "apmsqueeze"
 ERROR_RESUME = ("exact", "reset")
+SCALES = ("chunk", "tensor")        # the 1-bit compressions' granularity (`thinwire.comm.onebit_scales`)
 # Fewest warmup steps: after T, the smallest sqrt(v̂) of N coordinates is ~N^(-1/T) of the typical one, so the 1-bit
 # step (chunk scale / sqrt(v̂)) is up to ~N^(1/T) Adam's. Harness `tiny` preset (4 workers, seeds 0-2, flat and
 # --sites 2): warmup 1 / 2 / 3 diverged in 6 / 4 / 1 of 6 runs, warmup 5 in none (val loss 3.23-3.34).
@@ -124,6 +126,10 @@ class APMSqueeze(GroupedSteps, CommunicatingOptimizer):
             coordinates ~lr·s/ε per step, where Adam's own steps there were below ~lr·sqrt(v̂)/ε
             < lr. DeepSpeed leaves this to a user-given exp_avg_mask; False gives the paper's
             update everywhere. Weight decay still applies there.
+        scale: the granularity of both 1-bit compressions: 'chunk' (default: one RMS scale per
+            chunk of N / W elements of the flat vector, spanning tensors) or 'tensor' (DeepSpeed's:
+            each tensor's worker scale the RMS of the whole tensor, each server scale the RMS of a
+            tensor's part of the server's chunk; a chunk message carries one scale per tensor part).
         error_resume: what load_state_dict does with error buffers saved by another world size
             or rank: 'exact' (default) raises ValueError; 'reset' zeroes them with a warning.
         nonfinite: 'raise' (default) or 'skip' when any rank's gradients are not finite; in
@@ -142,7 +148,7 @@ class APMSqueeze(GroupedSteps, CommunicatingOptimizer):
     def __init__(self, params, lr: float, warmup_steps: int, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, process_group=None, bias_correction: bool = True,
                  mask_unseen: bool = True, error_resume: str = "exact", nonfinite: str = "raise",
-                 overlap: bool = False):
+                 overlap: bool = False, scale: str = "chunk"):
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"warmup_steps must be an integer >= {MIN_WARMUP_STEPS}, got {warmup_steps!r}: the "
                              "compressed phase divides by sqrt(v), which only warmup steps estimate (with none, "
@@ -152,13 +158,16 @@ class APMSqueeze(GroupedSteps, CommunicatingOptimizer):
                              f"average only {warmup_steps} squared gradient(s), so some coordinates' sqrt(v̂) is far "
                              "below their chunk's scale and the 1-bit momentum divided by it diverges; DeepSpeed "
                              "advises 15-25 % of training for the warmup")
+        if scale not in SCALES:
+            raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
         if error_resume not in ERROR_RESUME:
             raise ValueError(f"error_resume must be one of {ERROR_RESUME}, got {error_resume!r}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         _check_group(defaults)
         super().__init__(params, defaults)
         self.warmup_steps, self.bias_correction, self.error_resume = warmup_steps, bool(bias_correction), error_resume
-        self.mask_unseen = bool(mask_unseen)
+        self.mask_unseen, self.scale = bool(mask_unseen), scale
+        self._scales, self._scales_key = ChunkScales(), None    # the collective's scales for this layout
         self._init_comm(process_group, nonfinite, overlap)
         self.worker_error: torch.Tensor | None = None    # [N] float32, this rank's δ_i
         self.server_error: torch.Tensor | None = None    # [N / W] float32, this rank's chunk's δ̄
@@ -180,8 +189,8 @@ class APMSqueeze(GroupedSteps, CommunicatingOptimizer):
 
     # ---- the algorithm, inside the envelope ------------------------------------------------------
     def _describe(self, layout: list[Member]) -> str:
-        return f"apmsqueeze world_size={self.comm.world_size} warmup_steps={self.warmup_steps} " + " ".join(
-            f"{tuple(m.param.shape)}:{m.param.dtype}" for m in layout)
+        head = f"apmsqueeze world_size={self.comm.world_size} warmup_steps={self.warmup_steps} scale={self.scale} "
+        return head + " ".join(f"{tuple(m.param.shape)}:{m.param.dtype}" for m in layout)
 
     def _exchange(self, step: int, layout: list[Member]):
         if not layout:
@@ -203,7 +212,10 @@ class APMSqueeze(GroupedSteps, CommunicatingOptimizer):
             self._x = torch.empty(n, dtype=torch.float32, device=device)
         self._spans = dict(zip((m.key for m in layout), spans(m.param.numel() for m in layout)))
         self._onebit.deferred = self.nonfinite == "skip" and self._grouped_now(layout)
-        self._onebit.resize(len(layout), self._x, self.worker_error, self.server_error)
+        key = (self.scale, tuple(m.param.numel() for m in layout), world, n, device)
+        if self.scale == "tensor" and key != self._scales_key:           # made again when the layout changes
+            self._scales, self._scales_key = TensorScales(list(key[1]), world, n, device), key
+        self._onebit.resize(len(layout), self._x, self.worker_error, self.server_error, self._scales)
         return self._onebit
 
     def _prepare(self, step: int, layout: list[Member]) -> None:

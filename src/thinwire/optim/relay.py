@@ -38,8 +38,12 @@ class OneBitReduce:
         self._expected: torch.Tensor | None = None    # this rank's header, flags byte 0 (deferred)
         self._prefix, self._present = PrefixWriter(), []
 
-    def resize(self, n_params: int, x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor):
+    def resize(self, n_params: int, x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
+               scales=None):
+        """scales: the compressions' granularity (`thinwire.comm.onebit_scales`; None: one per chunk)."""
         self.n_params = n_params
+        if scales is not None:
+            self.reduce.scales = scales
         self.x, self.worker_error, self.server_error = x, worker_error, server_error
         self.prefix = reuse(self.prefix, prefix_nbytes(n_params), torch.uint8, x.device)
 
