@@ -49,7 +49,10 @@ changes no state. A parameter with a gradient on no rank does not move and keeps
 only counts ∇f_j = 0 on the others.
 
 What a step costs a GPU (docs/design.md): no host read but the envelope's one after the
-exchange (`nonfinite='raise'`), and launches that do not grow with the number of tensors.
+exchange (`nonfinite='raise'`), none with nonfinite='skip' (every commit takes the device's
+verdict, `torch.where` or an added −0, and under topology='server' the answer's prefix is
+judged on the device, `DeviceRelay`; a skip is reported at the next call), and launches
+that do not grow with the number of tensors.
 The state of each kind is one flat buffer per (device, dtype) (`thinwire.optim.ef21_flat`;
 `state[p]` holds views), the equations run once per param group on its range, the links'
 compressors once per block of same-size tensors (`thinwire.compress.ef21_blocks`: Top-K by
@@ -133,14 +136,25 @@ def uplink_message(fam: Family, lossless: bool) -> torch.Tensor:
     return fresh if lossless else torch.sub(fresh, fam.flats["estimate"], out=fam.flats["grads"])
 
 
-def commit_worker(fam: Family, r: torch.Tensor | None, lossless: bool) -> None:
-    """M_j ← M_j⁺;  G_j ← G_j + R_j (lossless: G_j ← M_j⁺). `r`: R_j as the wire delivers it."""
+def _commit(dst: torch.Tensor, src: torch.Tensor, skip: torch.Tensor | None) -> None:
+    """dst ← src; where `skip` (0-dim bool on the device) is set, dst kept as it is."""
+    if skip is None:
+        dst.copy_(src)
+    else:
+        torch.where(skip, dst, src, out=dst)
+
+
+def commit_worker(fam: Family, r: torch.Tensor | None, lossless: bool, skip: torch.Tensor | None = None) -> None:
+    """M_j ← M_j⁺;  G_j ← G_j + R_j (lossless: G_j ← M_j⁺). `r`: R_j as the wire delivers it.
+    `skip` (0-dim bool on the device): where set, M_j and G_j stay exactly as they are."""
     # M_j ← M_j⁺
-    fam.flats["momentum"].copy_(fam.flats["fresh"])
+    _commit(fam.flats["momentum"], fam.flats["fresh"], skip)
     if lossless:
         # G_j ← M_j⁺
-        fam.flats["estimate"].copy_(fam.flats["fresh"])
+        _commit(fam.flats["estimate"], fam.flats["fresh"], skip)
     else:
+        if skip is not None:                             # G_j + (−0) = G_j, −0.0 included
+            r.masked_fill_(skip, -0.0)
         # G_j ← G_j + R_j
         fam.flats["estimate"].add_(r.to(fam.dtype))
 
@@ -162,10 +176,10 @@ def server_model(fam: Family, lmo: LmoPlan, layout: list[Member]) -> torch.Tenso
     return out
 
 
-def commit_server(fam: Family) -> None:
-    """G ← G⁺;  X ← X⁺."""
-    fam.flats["server_estimate"].copy_(fam.flats["next_estimate"])
-    fam.flats["server_model"].copy_(fam.flats["next_model"])
+def commit_server(fam: Family, skip: torch.Tensor | None = None) -> None:
+    """G ← G⁺;  X ← X⁺ (where `skip` is set, both kept)."""
+    _commit(fam.flats["server_estimate"], fam.flats["next_estimate"], skip)
+    _commit(fam.flats["server_model"], fam.flats["next_model"], skip)
 
 
 def model_shift(fam: Family, layout: list[Member], lossless: bool) -> torch.Tensor:
@@ -174,8 +188,15 @@ def model_shift(fam: Family, layout: list[Member], lossless: bool) -> torch.Tens
     return x if lossless else torch.sub(x, fam.take_weights(layout), out=fam.flats["weights"])
 
 
-def apply_shift(fam: Family, layout: list[Member], s: torch.Tensor, lossless: bool) -> None:
-    """W ← W + S;  lossless downlink (S carries X): W ← X. `s`: S decoded, float32."""
+def apply_shift(fam: Family, layout: list[Member], s: torch.Tensor, lossless: bool,
+                skip: torch.Tensor | None = None) -> None:
+    """W ← W + S;  lossless downlink (S carries X): W ← X. `s`: S decoded, float32. Where
+    `skip` (0-dim bool on the device) is set, W stays exactly as it is: S ← −0 (lossless:
+    S ← W, widened exactly and rounded back)."""
+    if skip is not None and lossless:
+        torch.where(skip, fam.take_weights(layout).to(s.dtype), s, out=s)
+    elif skip is not None:
+        s.masked_fill_(skip, -0.0)
     if s.dtype == fam.dtype:
         shifts = fam.views("shift")
     else:                                                   # one rounding copy: foreach ops want one dtype
@@ -340,8 +361,9 @@ class EF21Muon(CommunicatingOptimizer):
                 view.copy_(saved["momenta"][i])
         self._sent = Sent(record.step, record.layout, plan)
 
-    def _apply(self, step: int, layout: list[Member], delivery) -> None:
-        """Commit M_j and G_j (and G, X where this rank serves), then W ← W + S."""
+    def _apply(self, step: int, layout: list[Member], delivery, skip: torch.Tensor | None = None) -> None:
+        """Commit M_j and G_j (and G, X where this rank serves), then W ← W + S; where `skip`
+        is set (nonfinite='skip', `_apply_masked`) nothing moves."""
         sent, self._sent = self._sent, None
         own, up = self._link.payload, Seeds(self.seed, step, UP)
         for fam in sent.plan.families:
@@ -349,7 +371,14 @@ class EF21Muon(CommunicatingOptimizer):
             if not self.uplink.lossless:                 # R_j as the server decoded it
                 fam.up.own(own, up, self.comm.rank, fam.dense)
                 r = fam.dense
-            commit_worker(fam, r, self.uplink.lossless)
+            commit_worker(fam, r, self.uplink.lossless, skip)
             if fam.server:
-                commit_server(fam)
-            apply_shift(fam, sent.layout, fam.shift, self.downlink.lossless)
+                commit_server(fam, skip)
+            apply_shift(fam, sent.layout, fam.shift, self.downlink.lossless, skip)
+
+    def _applies_masked(self, layout: list[Member]) -> bool:
+        """nonfinite='skip': every commit takes the device's verdict (`_apply`), no host read."""
+        return True
+
+    def _apply_masked(self, step: int, layout: list[Member], delivery, skip: torch.Tensor) -> None:
+        self._apply(step, layout, delivery, skip)

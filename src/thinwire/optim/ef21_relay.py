@@ -29,7 +29,7 @@ import torch
 from ..compress.topk import MALFORMED
 from .delivery import Delivery
 from .protocol import (FLAG_NONFINITE, HEADER_NBYTES, PeerMismatchError, PrefixWriter, Presence, header_evidence,
-                       judge_headers, prefix_nbytes, read_headers, read_presence, write_prefix)
+                       headers_skip, judge_headers, prefix_nbytes, read_presence, write_prefix)
 from .relay import FLAG_SERVER_ERROR, ServerRelay
 
 
@@ -47,6 +47,7 @@ class DeviceRelay(ServerRelay):
     def __init__(self, comm, serve):
         super().__init__(comm, serve)
         self._answer = PrefixWriter()
+        self._expected: torch.Tensor | None = None        # this rank's header, flags byte 0 (`_defer`)
 
     def finish(self, step: int) -> Delivery:
         gathered, self._pending = self._pending.wait(), None
@@ -57,7 +58,8 @@ class DeviceRelay(ServerRelay):
         start = prefix_nbytes(self.n_params)
         prefix = self.down[None, :start]
         present = Presence(self._present, lambda: read_presence(prefix, self.n_params))
-        return Delivery(lambda extra: self._verdict(prefix, gathered, step, extra), present, self.down[start:])
+        return Delivery(lambda extra: self._verdict(prefix, gathered, step, extra), present, self.down[start:],
+                        lambda extra: self._defer(prefix, gathered, step, extra))
 
     def _serve(self, gathered: torch.Tensor, step: int):
         """Rank 0: the server step into self.down and the verdict into its prefix, no host read;
@@ -82,9 +84,34 @@ class DeviceRelay(ServerRelay):
     def _verdict(self, prefix: torch.Tensor, gathered: torch.Tensor | None, step: int, extra: list):
         """The step's one host read: the answer's header and `extra`; (flagged, extra values)."""
         values = header_evidence(prefix, extra).tolist()
+        heads = None if gathered is None else (lambda: gathered[:, :HEADER_NBYTES].reshape(-1).tolist())
+        return self._judge(values, heads, step)
+
+    def _defer(self, prefix: torch.Tensor, gathered: torch.Tensor | None, step: int, extra: list):
+        """`Delivery.defer` (nonfinite='skip', `thinwire.optim.verdict`): skip where the answer's
+        header is not this step's or carries a flag, or an `extra` flag is set; the evidence is
+        the answer's header and `extra` (and on rank 0 the gathered headers, which name a
+        server error's cause), judged at the next call."""
+        if self._expected is None or self._expected.device != self.up.device:
+            self._expected = torch.empty(HEADER_NBYTES, dtype=torch.uint8, device=self.up.device)
+        self._expected.copy_(self.up[:HEADER_NBYTES])
+        self._expected[2].fill_(0)                                         # FLAG_NONFINITE / FLAG_SERVER_ERROR: skip
+        evidence = header_evidence(prefix, extra)
+        n = evidence.numel()
+        if gathered is not None:
+            evidence = torch.cat([evidence, gathered[:, :HEADER_NBYTES].reshape(-1)])
+        return (headers_skip(prefix, self._expected, extra), evidence,
+                lambda values: self._judge(values[:n], None if gathered is None else (lambda: values[n:]), step))
+
+    def _judge(self, values: list[int], heads, step: int):
+        """The answer's header and extra flags (`values`), and on rank 0 every rank's header
+        (`heads()`, read only for a server error) -> (flagged, extra values); a server error
+        raises: rank 0 names its cause (PeerMismatchError from the headers, else a malformed
+        payload), the others PeerMismatchError."""
         if values[2] & FLAG_SERVER_ERROR:
-            if gathered is not None:                                       # rank 0 names the cause
-                read_headers(gathered[:, :prefix_nbytes(self.n_params)], step)
+            if heads is not None:                                          # rank 0 names the cause
+                rows = heads()
+                judge_headers(rows, len(rows) // HEADER_NBYTES, step)
                 raise ValueError(f"{MALFORMED} at step {step} (in an uplink, found by rank 0, the server)")
             raise PeerMismatchError(f"rank 0 (the server) rejected the messages of step {step}; its error names the cause")
         flagged, extra_values = judge_headers(values, 1, step)
