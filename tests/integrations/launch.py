@@ -4,20 +4,23 @@ wait for it, read the collectives it counted, compare saved states."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-
-def torchrun(example: Path, *args: str, env: dict) -> subprocess.Popen:
-    """`torchrun --standalone --nproc-per-node 2 example *args`, output captured."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(example), *args]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+from tests.train.shared import Forked, start
 
 
-def finish(proc: subprocess.Popen, ok: bool = True) -> str:
+def torchrun(example: Path, *args: str, env: dict) -> Forked:
+    """`torchrun --standalone --nproc-per-node 2 example *args`, output captured. The agent is
+    forked from the tests' server (tests.train.shared.start: torch already imported, ~3 s of
+    CPU fewer a launch); it starts each worker as torchrun does, a new interpreter."""
+    return start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                  str(example), *args], env=env)
+
+
+def finish(proc: Forked, ok: bool = True) -> str:
     """Wait for `proc`; assert it succeeded (`ok`) or failed (not `ok`, e.g. killed); its output."""
     text = proc.communicate(timeout=300)[0]
     assert (proc.returncode == 0) == ok, text[-3000:]

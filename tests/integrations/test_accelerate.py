@@ -15,13 +15,12 @@ processes:
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integrations.launch import differs, finish, read_wire, torchrun
+from tests.integrations.launch import Forked, differs, finish, read_wire, torchrun
 from tests.optim.registry import HANDSHAKE, dense_bytes
 from tests.train.shared import train_env
 from thinwire.integrations.commit import MARK
@@ -35,7 +34,7 @@ RUNS = ("demo", "lordo")
 KILLED = "demo"                 # killed mid-save and resumed ("last") in its directory; LoRDO from a path
 
 
-def _torchrun(optimizer: str, out: Path, *flags: str) -> subprocess.Popen:
+def _torchrun(optimizer: str, out: Path, *flags: str) -> Forked:
     return torchrun(EXAMPLE, "--optimizer", optimizer, "--steps", str(STEPS), "--out", str(out), *flags,
                     env=train_env())
 

@@ -22,14 +22,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integrations.launch import differs, finish, read_wire, torchrun
+from tests.integrations.launch import Forked, differs, finish, read_wire, torchrun
 from tests.optim.registry import HANDSHAKE, dense_bytes
 from tests.train.shared import train_env
 from thinwire.integrations.commit import MARK
@@ -42,7 +41,7 @@ OPTIMIZERS = ("demo", "lordo")
 KILLED = "lordo"                # killed mid-save and resumed in its directory; DeMo from its whole run's checkpoint
 
 
-def _torchrun(optimizer: str, out: Path, *flags: str) -> subprocess.Popen:
+def _torchrun(optimizer: str, out: Path, *flags: str) -> Forked:
     return torchrun(EXAMPLE, "--optimizer", optimizer, "--steps", str(STEPS), "--out", str(out),
                     *flags, env=train_env(HF_HUB_OFFLINE="1"))
 

@@ -18,7 +18,6 @@ checkpoint and at the end of fitting) and APMSqueeze:
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ import torch
 
 pytest.importorskip("lightning")
 
-from tests.integrations.launch import differs, finish, read_wire, torchrun  # noqa: E402
+from tests.integrations.launch import Forked, differs, finish, read_wire, torchrun  # noqa: E402
 from tests.optim.registry import APM_WARMUP, HANDSHAKE, dense_bytes, onebit_bytes  # noqa: E402
 from tests.train.shared import train_env  # noqa: E402
 from thinwire.optim.checkpoints import INFLIGHT_KEY  # noqa: E402
@@ -39,7 +38,7 @@ OPTIMIZERS = ("demo-overlap", "apmsqueeze")
 KILLED = "demo-overlap"         # killed while writing checkpoint KILL_IN; the other resumes from its whole run's
 
 
-def _torchrun(optimizer: str, out: Path, *flags: str) -> subprocess.Popen:
+def _torchrun(optimizer: str, out: Path, *flags: str) -> Forked:
     return torchrun(EXAMPLE, "--optimizer", optimizer, "--steps", str(STEPS), "--save-at", str(SAVE_AT),
                     "--out", str(out), *flags, env=train_env())
 

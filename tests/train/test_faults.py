@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,13 +33,15 @@ FLAGS = {"apmsqueeze": ["--compressed-after", "0.42"]}
 SETTINGS = {"apmsqueeze": {"compressed_after": 0.42}}
 
 
-def _torchrun(out: Path, optimizer: str, restarts: int, env: dict) -> subprocess.Popen:
+def _torchrun(out: Path, optimizer: str, restarts: int, env: dict) -> Forked:
+    """The agent forked from the tests' server (shared.start); it starts its workers, and
+    restarts them, as new interpreters."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", str(restarts), "--monitor-interval", "0.2",
            "-m", "thinwire.train", "--optimizer", optimizer, *TRAIN, "--out", str(out),
            "--checkpoint-every", "4", "--peer-timeout", "20",
            "--steps", str(STEPS.get(optimizer, 8)), *FLAGS.get(optimizer, [])]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return start(cmd, env=env)
 
 
 def _never_killed(out: Path, optimizer: str) -> str:
