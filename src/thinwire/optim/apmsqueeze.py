@@ -20,7 +20,9 @@ torch.optim.Adam counts them; T_w: how many of those were warmup steps):
       m ← m̄
       θ ← θ (1 − η λ) − η m̄ / (1 − β1^t) / (sqrt(v / (1 − β2^{T_w})) + ε)
   C: sign × RMS scale (||x||_2 / sqrt(n)) per chunk of N / W elements, N the flat length of
-  all parameters padded to a multiple of 8W; exact zeros are sent as +scale.
+  all parameters padded to a multiple of 8W (scale='chunk', default), or per tensor at the
+  worker and per tensor part of a chunk at the server (scale='tensor', DeepSpeed's
+  granularity); exact zeros are sent as +scale.
 
 Paper and DeepSpeed apply no bias correction; with bias_correction=True (default) the
 compressed phase with lossless C is exactly Adam with v frozen, so the switch at T_w makes
@@ -39,6 +41,11 @@ states with `thinwire.optim.elastic.remap` (or see `error_resume`).
 
     opt = APMSqueeze(model.parameters(), lr=1e-3, warmup_steps=max(5, total_steps // 5))
     loss.backward(); opt.step(); opt.zero_grad()     # no DDP gradient all-reduce
+
+Grouped (default, `opt.grouped = True`; `thinwire.optim.apmsqueeze_steps`): m and v are views
+of one flat float32 buffer each, every rule runs over all parameters at once, and a step reads
+the host once with nonfinite='raise' and never with 'skip'; bit for bit the per-tensor path
+(`grouped = False`, also what float64 parameters and several devices take).
 
 Two tiers (FSDP2 shards, `process_group` = the group across sites): everything runs on this
 rank's shard (Adam moments, momentum, error buffers), and the 1-bit all-reduce compresses the
