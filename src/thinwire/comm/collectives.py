@@ -15,10 +15,12 @@ cut into W chunks of c = N / W elements; chunk j belongs to "server" rank j.
     phase 2:          (s_j | c/8 bytes of signs of z) from every rank: one all_gather;
                       every rank decodes the same m̄ = [ẑ_0, ..., ẑ_{W−1}].
 
-Choices, where DeepSpeed (`compressed_allreduce`) differs: the worker scale is one RMS per
-chunk (DeepSpeed: one per whole buffer) at the same wire cost (W floats leave each rank
-either way) and a tighter fit; scales travel inside the byte messages, so each phase is a
-single collective. Signs follow `thinwire.wire.pack_signs`: bit 1 for y >= 0, so an exact
+Choices, where DeepSpeed (`compressed_allreduce`, called per tensor) differs: the worker
+scale is one RMS per chunk (DeepSpeed: one per tensor) at the same wire cost (W floats leave
+each rank either way) and a tighter fit; `scales=TensorScales(...)` gives DeepSpeed's
+granularity instead (`thinwire.comm.onebit_scales`: S scales per chunk message, one per
+tensor part; the formulas below are the default's, S = 1). Scales travel inside the byte
+messages, so each phase is a single collective. Signs follow `thinwire.wire.pack_signs`: bit 1 for y >= 0, so an exact
 zero (and -0.0) is sent as +s, as in DeepSpeed, and its error −s is fed back; NaN codes as
 −s, but its scale is NaN too, and callers flag non-finite input in the header anyway.
 
@@ -26,8 +28,8 @@ Decoding looks each byte up in a [256, 8] table of ±1 (one gather per phase) an
 by the scale (exact); a rank's own ŷ and ẑ are ±scale by the very bits it packs, so the
 error it keeps is exactly input − (what every receiver decodes). Nothing is read on the
 host: the scales' overflow-safe norm (`rms_scales`), the packing (`pack_rows`) and a
-flagged step's masked error updates (`finish(skip=...)`) all stay on the device. Buffers are reused through an optional
-`workspace` dict, since on CPU fresh multi-MB tensors cost more in page faults than the
+flagged step's masked error updates (`finish(skip=...)`) all stay on the device. Buffers
+are reused through an optional `workspace` dict, since on CPU fresh multi-MB tensors cost more in page faults than the
 arithmetic done in them.
 
 Payload bytes per rank and step: phase 1 (W−1)·(H + 4 + N/(8W)) (the chunks bound for

@@ -54,7 +54,6 @@ flat vector of this rank's shards, with its per-chunk scales, across the sites.
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -62,7 +61,7 @@ import torch
 from ..comm.collectives import padded_numel
 from ..comm.onebit_scales import ChunkScales, TensorScales
 from ..ops import adam_denominator, adam_moments_
-from .apmsqueeze_groups import frozen_denominator
+from .apmsqueeze_groups import adam_update_, frozen_denominator, local_momentum
 from .apmsqueeze_steps import GroupedSteps
 from .base import CommunicatingOptimizer, Member, flatten_grads
 from .exchange import ReduceAll
@@ -89,27 +88,6 @@ def _check_group(g: dict) -> None:
         raise ValueError(f"eps must be > 0, got {g['eps']}")
     if not g["weight_decay"] >= 0.0:
         raise ValueError(f"weight_decay must be >= 0, got {g['weight_decay']}")
-
-
-# ---- the update rules: one equation per in-place operation --------------------------------------
-
-def local_momentum(out: torch.Tensor, m_bar: torch.Tensor, g: torch.Tensor | None, beta1: float) -> None:
-    """This rank's momentum, written into `out` (compressed phase); g None counts as 0."""
-    # m_i = β1 m̄
-    torch.mul(m_bar, beta1, out=out)
-    if g is not None:
-        # m_i += (1 − β1) g_i
-        out.add_(g, alpha=1 - beta1)
-
-
-def adam_update_(p: torch.Tensor, m: torch.Tensor, denom: torch.Tensor, lr: float, weight_decay: float,
-                 bias_correction1: float) -> None:
-    """The parameter step, as torch.optim.AdamW takes it."""
-    if weight_decay:
-        # θ ← θ (1 − η λ)
-        p.mul_(1 - lr * weight_decay)
-    # θ ← θ − η / (1 − β1^t) · m / D
-    p.addcdiv_(m, denom, value=-lr / bias_correction1)
 
 
 class APMSqueeze(GroupedSteps, CommunicatingOptimizer):

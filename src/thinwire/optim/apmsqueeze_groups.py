@@ -1,5 +1,6 @@
-"""APMSqueeze on flat buffers (issue 47): the per-tensor update rules of `thinwire.optim.apmsqueeze`
-run over every parameter at once, with the same arithmetic.
+"""APMSqueeze's update rules, one equation per in-place operation: per tensor (`local_momentum`,
+`frozen_denominator`, `adam_update_`, what `thinwire.optim.apmsqueeze` runs with grouped = False)
+and on flat buffers (issue 47), every parameter at once with the same arithmetic:
 
     m, v      one float32 flat buffer each, in layout order (the order of the 1-bit message x);
               each `state[p]["exp_avg"]` / `["exp_avg_sq"]` is a view of it shaped like p, so
@@ -43,6 +44,25 @@ def runs(values: list, sizes: list[int]) -> list[tuple[object, slice]]:
         else:
             out.append((value, slice(span.start, span.stop)))
     return out
+
+
+def local_momentum(out: torch.Tensor, m_bar: torch.Tensor, g: torch.Tensor | None, beta1: float) -> None:
+    """This rank's momentum, written into `out` (compressed phase); g None counts as 0."""
+    # m_i = β1 m̄
+    torch.mul(m_bar, beta1, out=out)
+    if g is not None:
+        # m_i += (1 − β1) g_i
+        out.add_(g, alpha=1 - beta1)
+
+
+def adam_update_(p: torch.Tensor, m: torch.Tensor, denom: torch.Tensor, lr: float, weight_decay: float,
+                 bias_correction1: float) -> None:
+    """The parameter step, as torch.optim.AdamW takes it."""
+    if weight_decay:
+        # θ ← θ (1 − η λ)
+        p.mul_(1 - lr * weight_decay)
+    # θ ← θ − η / (1 − β1^t) · m / D
+    p.addcdiv_(m, denom, value=-lr / bias_correction1)
 
 
 def frozen_denominator(v: torch.Tensor, t_v: int, beta2: float, eps: float, bias_correction: bool,
