@@ -27,9 +27,10 @@ from tests.optim import test_step_audit as step_audit
 BLOCKS = (2, 8)
 
 
-def _apmsqueeze(nonfinite: str = "raise", grouped: bool = True):
+def _apmsqueeze(nonfinite: str = "raise", grouped: bool = True, scale: str = "chunk"):
     def build(params):
-        opt = thinwire.APMSqueeze(params, lr=1e-3, warmup_steps=5, weight_decay=0.1, nonfinite=nonfinite)
+        opt = thinwire.APMSqueeze(params, lr=1e-3, warmup_steps=5, weight_decay=0.1, nonfinite=nonfinite,
+                                  scale=scale)
         opt.grouped = grouped
         return opt
     return build
@@ -37,10 +38,13 @@ def _apmsqueeze(nonfinite: str = "raise", grouped: bool = True):
 
 BUILDS = {"fp32": _apmsqueeze(), "fp32-skip": _apmsqueeze("skip"), "bf16": _apmsqueeze(),
           "bf16-skip": _apmsqueeze("skip"), "per-tensor": _apmsqueeze(grouped=False),
+          "tensor-scales": _apmsqueeze(scale="tensor"), "tensor-scales-skip": _apmsqueeze("skip", scale="tensor"),
           "torch-adamw-foreach": step_audit.BUILDS["torch-adamw-foreach"]}
-GROUPED = ["fp32", "fp32-skip", "bf16", "bf16-skip"]
-READS = {"fp32": 1, "bf16": 1, "fp32-skip": 0, "bf16-skip": 0}
-LAUNCHES = {"fp32": 66, "fp32-skip": 77}      # what the grouped path takes now, at 2 and 8 blocks
+GROUPED = ["fp32", "fp32-skip", "bf16", "bf16-skip", "tensor-scales", "tensor-scales-skip"]
+READS = {"fp32": 1, "bf16": 1, "fp32-skip": 0, "bf16-skip": 0, "tensor-scales": 1, "tensor-scales-skip": 0}
+# what the grouped path takes now, at 2 and 8 blocks; scale='tensor': float64 sums by segment_reduce
+# and a gather of each element's scale where 'chunk' broadcasts one per row
+LAUNCHES = {"fp32": 66, "fp32-skip": 77, "tensor-scales": 69}
 
 
 def _all(rank: int, world: int) -> dict:
@@ -71,7 +75,7 @@ def test_a_step_reads_the_host_once_with_raise_and_never_with_skip(audited, name
 
 @pytest.mark.parametrize("name", sorted(LAUNCHES))
 def test_launches_stay_at_what_the_grouped_path_reached(audited, name):
-    """Within 10x torch AdamW foreach's launches (8 here): 66 / 77 (module docstring)."""
+    """Within 10x torch AdamW foreach's launches (8 here): 66 / 77, 69 with scale='tensor'."""
     adamw = max(n for n, _ in audited[("torch-adamw-foreach", 8)])
     assert max(n for n, _ in audited[(name, 8)]) <= LAUNCHES[name] <= 10 * adamw
 
