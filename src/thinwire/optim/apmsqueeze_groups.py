@@ -134,8 +134,8 @@ class Images:
     def widen(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """float32 views of the parameters' values (one same-dtype cat, one exact widening copy)."""
         dtype, device, n = params[0].dtype, params[0].device, sum(p.numel() for p in params)
-        low = self.low[dtype] = reuse(self.low.get(dtype), n, device, dtype)
-        wide = self.wide[dtype] = reuse(self.wide.get(dtype), n, device, torch.float32)
+        low = self.low[dtype] = reuse(self.low.get(dtype), n, dtype, device)
+        wide = self.wide[dtype] = reuse(self.wide.get(dtype), n, torch.float32, device)
         torch.cat([p.reshape(-1) for p in params], out=low)                  # [Σ numel]
         wide.copy_(low)
         return list(views(wide, params))
@@ -209,7 +209,7 @@ class FlatMoments:
 
     def buffer(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A kept flat scratch buffer as long as m."""
-        self.scratch[name] = reuse(self.scratch.get(name), self.m.numel(), self.m.device, dtype)
+        self.scratch[name] = reuse(self.scratch.get(name), self.m.numel(), dtype, self.m.device)
         return self.scratch[name]
 
     def views(self, flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -85,12 +85,6 @@ def put_back(buffers: list[torch.Tensor], saved: list[torch.Tensor]) -> None:
         b.copy_(t)
 
 
-def reuse(buf: torch.Tensor | None, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-    if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != torch.device(device):
-        buf = torch.empty(numel, dtype=dtype, device=device)
-    return buf
-
-
 def presence_bits(message: torch.Tensor, n_params: int) -> list[bool]:
     """This rank's presence as a checkpointed message's prefix holds it (a resumed step's)."""
     return read_presence(message[None, :prefix_nbytes(n_params)], n_params).tolist()

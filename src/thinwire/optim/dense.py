@@ -137,7 +137,7 @@ class DenseAllReduce(CommunicatingOptimizer):
     def _narrow(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A buffer shaped like `flat` in `dtype`, kept across steps: gradients of that dtype go
         in through it (`flatten_grads`) and their means come out through it (`_copy_means`)."""
-        self._rounded[dtype] = reuse(self._rounded.get(dtype), flat.numel(), flat.device, dtype)
+        self._rounded[dtype] = reuse(self._rounded.get(dtype), flat.numel(), dtype, flat.device)
         return self._rounded[dtype].view(flat.shape)
 
     def _copy_means(self, grads: list[torch.Tensor], means: list[torch.Tensor], flat: torch.Tensor) -> None:

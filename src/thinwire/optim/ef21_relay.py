@@ -28,6 +28,7 @@ import torch
 
 from ..compress.topk import MALFORMED
 from .delivery import Delivery
+from .flat import reuse
 from .protocol import (FLAG_NONFINITE, HEADER_NBYTES, PeerMismatchError, PrefixWriter, Presence, header_evidence,
                        headers_skip, judge_headers, prefix_nbytes, read_presence, write_prefix)
 from .relay import FLAG_SERVER_ERROR, ServerRelay
@@ -92,8 +93,7 @@ class DeviceRelay(ServerRelay):
         header is not this step's or carries a flag, or an `extra` flag is set; the evidence is
         the answer's header and `extra` (and on rank 0 the gathered headers, which name a
         server error's cause), judged at the next call."""
-        if self._expected is None or self._expected.device != self.up.device:
-            self._expected = torch.empty(HEADER_NBYTES, dtype=torch.uint8, device=self.up.device)
+        self._expected = reuse(self._expected, HEADER_NBYTES, torch.uint8, self.up.device)
         self._expected.copy_(self.up[:HEADER_NBYTES])
         self._expected[2].fill_(0)                                         # FLAG_NONFINITE / FLAG_SERVER_ERROR: skip
         evidence = header_evidence(prefix, extra)

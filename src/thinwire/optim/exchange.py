@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from ..comm import Communicator, Pending
-from .delivery import Delivery, Exchange, presence_bits, put_back, reuse  # noqa: F401  (Exchange: the contract)
+from .delivery import Delivery, Exchange, presence_bits, put_back  # noqa: F401  (Exchange: the contract)
+from .flat import reuse
 from .protocol import (FLAG_NONFINITE, HEADER_NBYTES, LOCKSTEP_SLOTS, PrefixWriter, Presence, TrailerWriter,
                        header_evidence, headers_skip, judge_headers, judge_trailer, prefix_nbytes, read_presence,
                        read_verdict, trailer_evidence, trailer_numel, trailer_skip)

@@ -156,7 +156,7 @@ class PeriodicAveraging(CommunicatingOptimizer):
         if self.delay == 1:
             return
         n = sum(m.param.numel() for m in layout)
-        self._launched = reuse(self._launched, n, layout[0].param.device)
+        self._launched = reuse(self._launched, n, torch.float32, layout[0].param.device)
         places = spans(m.param.numel() for m in layout)
         torch._foreach_copy_([span.of(self._launched).view(m.param.shape) for m, span in zip(layout, places)],
                              [m.param for m in layout])
@@ -247,14 +247,14 @@ class PeriodicAveraging(CommunicatingOptimizer):
         self._launch(layout)
         slots = slots_of(layout)
         n, device = sum(s.span.size for s in slots), layout[0].param.device
-        x = exchange.payload if self.codec is None else reuse(self._x, n, device)
+        x = exchange.payload if self.codec is None else reuse(self._x, n, torch.float32, device)
         parts = [s.span.of(x) for s in slots]
         # Δ = θ − θ₀
         self._write_deltas(x[:n], slots)
         if self.codec is not None:
             # x = Δ + e                      error feedback: what earlier syncs did not deliver
             torch._foreach_add_(parts, [self.state[s.key]["sync_error"] for s in slots])
-            self._x, self._unsent = x, reuse(self._unsent, n, device)
+            self._x, self._unsent = x, reuse(self._unsent, n, torch.float32, device)
             # e' = x − decode(encode(x)), kept aside: a sync that is not made must leave e as it was
             self.codec.encode(x, out=exchange.payload, error=self._unsent)
 
@@ -263,7 +263,7 @@ class PeriodicAveraging(CommunicatingOptimizer):
         params, anchors = [s.param for s in slots], [self.state[s.key]["anchor"] for s in slots]
         dtype = low_dtype(params)
         if dtype is not None:
-            self._low = reuse(self._low, x.numel(), x.device, dtype)
+            self._low = reuse(self._low, x.numel(), dtype, x.device)
         write_deltas_flat(x, [s.span for s in slots], params, anchors, self._low if dtype is not None else None)
 
     def _outer_flats(self, mean: torch.Tensor, anchors: list[torch.Tensor]) -> OuterFlats | None:
@@ -272,8 +272,8 @@ class PeriodicAveraging(CommunicatingOptimizer):
         dtype = low_dtype(anchors)
         if dtype is None:
             return None
-        self._h = reuse(self._h, mean.numel(), mean.device)
-        self._low = reuse(self._low, mean.numel(), mean.device, dtype)
+        self._h = reuse(self._h, mean.numel(), torch.float32, mean.device)
+        self._low = reuse(self._low, mean.numel(), dtype, mean.device)
         return OuterFlats(mean, self._h, self._low)
 
     def _pending_state(self, record) -> dict:

@@ -10,7 +10,8 @@ import torch
 
 from ..comm import Communicator
 from ..comm.collectives import OneBitAllReduce
-from .delivery import Delivery, presence_bits, put_back, read_now, reuse
+from .delivery import Delivery, presence_bits, put_back, read_now
+from .flat import reuse
 from .protocol import (FLAG_NONFINITE, HEADER_NBYTES, PeerMismatchError, PrefixWriter, Presence, header_evidence,
                        headers_skip, judge_headers, prefix_nbytes, read_headers, read_presence, read_verdict,
                        write_prefix)

@@ -244,11 +244,11 @@ class SparseLoCo(DiLoCo):
         parameter's values, e' and eager jump (each pass over it while it is in cache)."""
         flat, places = self._flat_for(layout), spans(m.param.numel() for m in layout)
         n, device = places[-1].stop, layout[0].param.device
-        self._unsent = reuse(self._unsent, n, device)
+        self._unsent = reuse(self._unsent, n, torch.float32, device)
         if self._eager_now:
-            self._x = reuse(self._x, n, device)
+            self._x = reuse(self._x, n, torch.float32, device)
         if self.delay > 1:
-            self._launched = reuse(self._launched, n, device)
+            self._launched = reuse(self._launched, n, torch.float32, device)
         self._own_sent = {}
         for i, ((_, p, key), elements) in enumerate(zip(layout, places)):
             state, x = self.state[key], elements.of(self._unsent).view(p.shape)   # [*p.shape] float32: e, then e'

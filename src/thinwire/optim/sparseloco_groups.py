@@ -154,7 +154,7 @@ def encode(opt, step: int, layout: list[Member], payload: torch.Tensor) -> None:
     g, device = grouped_for(opt, layout), layout[0].param.device
     k = opt._dtypes
     n = g.offsets[-1] + layout[-1].param.numel()
-    opt._unsent, opt._mean = reuse(opt._unsent, n, device), reuse(opt._mean, n, device)
+    opt._unsent, opt._mean = reuse(opt._unsent, n, torch.float32, device), reuse(opt._mean, n, torch.float32, device)
     states, params = [opt.state[m.key] for m in layout], [m.param for m in layout]
     xs, anchors = _views(opt._unsent, g, layout), [st["anchor"] for st in states]
     # Δ = θ₀ − θ   (float32, exact for bf16 θ)
@@ -166,10 +166,10 @@ def encode(opt, step: int, layout: list[Member], payload: torch.Tensor) -> None:
     # e' = e − Δ̂, committed when the sync lands: a + (−1)·v is a − v exactly, positions distinct
     opt._unsent.index_add_(0, positions, sent, alpha=-1.0)
     if opt.delay > 1:
-        opt._launched = reuse(opt._launched, n, device)
+        opt._launched = reuse(opt._launched, n, torch.float32, device)
         if opt._eager_now:
             # θ before the jump: a sync not made puts it back (narrow: from the scratch, θ since Δ)
-            opt._x = reuse(opt._x, n, device)
+            opt._x = reuse(opt._x, n, torch.float32, device)
             before = _views(opt._x, g, layout)
             k.widen(opt._x, before)
             rest = k.wide + k.other
@@ -252,7 +252,7 @@ def apply(opt, step: int, layout: list[Member], rows: torch.Tensor, arrived: tup
         raise_malformed(checks.any_of(arrived[2]), f" at step {step}")
     positions, values, _ = arrived
     n = opt._unsent.numel()
-    mean = opt._mean = reuse(opt._mean, n, device)
+    mean = opt._mean = reuse(opt._mean, n, torch.float32, device)
     means = _views(mean, g, layout)
     mean.zero_()
     for r in range(rows.shape[0]):                          # Σ_r Δ̂_r in rank order: no atomics across ranks

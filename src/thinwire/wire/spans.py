@@ -50,9 +50,9 @@ def same_place(view: torch.Tensor, base: torch.Tensor, other: torch.Tensor) -> t
                             other.storage_offset() + view.storage_offset() - base.storage_offset())
 
 
-def reuse(buf: torch.Tensor | None, numel: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def reuse(buf: torch.Tensor | None, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
     """`buf` if it is a flat buffer of `numel` elements of `dtype` on `device`, else a new one:
-    the buffers an optimizer keeps across steps, made again only when the layout changes."""
+    the buffers kept across steps, made again only when the layout changes."""
     if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != torch.device(device):
         buf = torch.empty(numel, dtype=dtype, device=device)
     return buf
