@@ -12,7 +12,7 @@ import torch
 
 import thinwire
 from tests.compress.test_sparseloco_flat import SHAPE_SETS as FLAT_SETS, _encode as _flat_encode, _per_tensor, _rows
-from tests.compress.test_sparseloco_grouped import SHAPE_SETS, _encode, _tensor, _x
+from tests.compress.test_sparseloco_grouped import SHAPE_SETS, _x, encode_as_per_tensor
 from tests.optim.test_sparseloco_groups import SHAPES, _run, _same
 from tests.wire.test_eightbit import reference_row
 from thinwire.compress import ChunkPlan, SparseLoCoTopK
@@ -82,15 +82,7 @@ def test_grouped_bytes_decoded_values_and_reads_are_the_per_tensor_ones(name, in
     assert sorted(g.tensors) == list(range(len(shapes))) and g.level_bytes == 1024   # every tensor joins
     sent = []
     for seed in (0, 1, 2):                                           # buffers reused: later syncs
-        x = _x(shapes, seed)
-        message, positions, values = _encode(g, x)
-        decoded = torch.zeros_like(x).index_add_(0, positions, values)
-        for i in g.tensors:
-            want = torch.empty(comp.payload_nbytes(g.shapes[i]), dtype=torch.uint8)
-            comp.encode(_tensor(g, x, i).clone(), want)
-            assert torch.equal(g.payloads[i].of(message), want), (i, seed)
-            assert torch.equal(_tensor(g, decoded, i), comp.decode(want, g.shapes[i])), (i, seed)
-        sent.append((message, positions, values))
+        sent.append(encode_as_per_tensor(g, comp, _x(shapes, seed), seed))
     read_positions, read_values, flags = g.read(torch.stack([m for m, _, _ in sent]))
     for r, (_, p, v) in enumerate(sent):
         assert torch.equal(read_positions[r], p) and torch.equal(read_values[r], v)

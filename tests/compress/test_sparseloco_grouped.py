@@ -37,6 +37,20 @@ def _encode(g: GroupedSparseLoCo, x: torch.Tensor):
     return message, positions.clone(), values.clone()
 
 
+def encode_as_per_tensor(g: GroupedSparseLoCo, comp: SparseLoCoTopK, x: torch.Tensor, seed: int):
+    """One sync of the group on x, checked: every grouped tensor's bytes, and its decoded
+    values, are the per-tensor compressor's. Returns (message, positions, values)."""
+    message, positions, values = _encode(g, x)
+    # a value kept in a padding is +0.0 at position 0: index_add_ adds nothing for it
+    decoded = torch.zeros_like(x).index_add_(0, positions, values)
+    for i in g.tensors:
+        want = torch.empty(comp.payload_nbytes(g.shapes[i]), dtype=torch.uint8)
+        comp.encode(_tensor(g, x, i).clone(), want)
+        assert torch.equal(g.payloads[i].of(message), want), (i, seed)
+        assert torch.equal(_tensor(g, decoded, i), comp.decode(want, g.shapes[i])), (i, seed)
+    return message, positions, values
+
+
 @pytest.mark.parametrize("settings", SETTINGS, ids=SETTING_IDS)
 @pytest.mark.parametrize("name", SHAPE_SETS)
 def test_bytes_and_decoded_values_are_the_per_tensor_ones(name, settings):
@@ -44,15 +58,7 @@ def test_bytes_and_decoded_values_are_the_per_tensor_ones(name, settings):
     comp = SparseLoCoTopK(topk=32, chunk=16, **settings)
     g = GroupedSparseLoCo(comp, shapes, "cpu")
     for seed in (0, 1):                                       # buffers reused: a second sync
-        x = _x(shapes, seed)
-        message, positions, values = _encode(g, x)
-        # a value kept in a padding is +0.0 at position 0: index_add_ adds nothing for it
-        decoded = torch.zeros_like(x).index_add_(0, positions, values)
-        for i in g.tensors:
-            want = torch.empty(comp.payload_nbytes(g.shapes[i]), dtype=torch.uint8)
-            comp.encode(_tensor(g, x, i).clone(), want)
-            assert torch.equal(g.payloads[i].of(message), want), (i, seed)
-            assert torch.equal(_tensor(g, decoded, i), comp.decode(want, g.shapes[i])), (i, seed)
+        encode_as_per_tensor(g, comp, _x(shapes, seed), seed)
         if settings.get("transform") == "dct" or settings.get("values") == "int8":
             assert g.tensors == [] and g.alone == list(range(len(shapes)))
 
