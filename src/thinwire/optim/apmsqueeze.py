@@ -61,14 +61,15 @@ import torch
 from ..comm.collectives import padded_numel
 from ..comm.onebit_scales import ChunkScales, TensorScales
 from ..ops import adam_denominator, adam_moments_
+from .apmsqueeze_errors import ERRORS_KEY, remap_errors
 from .apmsqueeze_groups import adam_update_, frozen_denominator, local_momentum
 from .apmsqueeze_steps import GroupedSteps
 from .base import CommunicatingOptimizer, Member, flatten_grads
+from .elastic_rules import REPLICATED
 from .exchange import ReduceAll
 from .flat import spans, views
 from .relay import OneBitReduce
 
-ERRORS_KEY = "apmsqueeze"
 ERROR_RESUME = ("exact", "reset")
 SCALES = ("chunk", "tensor")        # the 1-bit compressions' granularity (`thinwire.comm.onebit_scales`)
 # Fewest warmup steps: after T, the smallest sqrt(v̂) of N coordinates is ~N^(-1/T) of the typical one, so the 1-bit
@@ -277,6 +278,14 @@ class APMSqueeze(GroupedSteps, CommunicatingOptimizer):
         return views
 
     # ---- checkpoints --------------------------------------------------------------------------
+    ELASTIC_KINDS = {"*": REPLICATED}          # Adam moments of the mean gradient, m̄: the same on every rank
+
+    def _elastic_state(self, states: list[dict], row: torch.Tensor, rank: int) -> dict:
+        return {**super()._elastic_state(states, row, rank), ERRORS_KEY: remap_errors(self, states, row, rank)}
+
+    def _elastic_sums(self, step: int) -> bool:
+        return step <= self.warmup_steps       # the warmup's all-reduced sum of the W gradients
+
     def state_dict(self):
         self._verdicts.judge()                               # step counts of skipped steps taken back
         self._settle_counts()

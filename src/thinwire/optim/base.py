@@ -58,6 +58,7 @@ import torch
 from ..comm import CommStats, Communicator
 from ..compress.topk import MALFORMED
 from .checkpoints import EnvelopeCheckpoints, InFlight
+from .elastic_rules import ElasticRule
 from .hooks import AlgorithmHooks
 from .member import Member
 from .overlap import OverlapSteps
@@ -92,7 +93,7 @@ def flatten_grads(params, buffer: torch.Tensor, narrow=None) -> torch.Tensor:
     return buffer
 
 
-class CommunicatingOptimizer(AlgorithmHooks, OverlapSteps, EnvelopeCheckpoints, torch.optim.Optimizer):
+class CommunicatingOptimizer(AlgorithmHooks, ElasticRule, OverlapSteps, EnvelopeCheckpoints, torch.optim.Optimizer):
     """A torch optimizer that talks to its peers through `self.comm`, inside the envelope above.
 
     `comm_stats` holds this rank's cumulative payload bytes, link bytes sent and received

@@ -59,7 +59,8 @@ from .base import CommunicatingOptimizer, Member
 from .demo_groups import Groups
 from .demo_rules import (BASES, DOMAINS, LOOKAHEADS, MOMENTUM_FORMS, check_group, check_momentum, apply_base,  # noqa: F401
                          gradient_weight, momentum_in_transform, step_param)
-from .demo_slots import KeptSlots, Slot
+from .demo_slots import KeptSlots, Slot, fold_sent_back
+from .elastic_rules import PER_RANK
 from .exchange import GatherAll
 
 
@@ -114,6 +115,7 @@ class DeMo(CommunicatingOptimizer):
     """
 
     EARLY_START = True            # encode: gradients into M only; apply: Δ into θ only
+    ELASTIC_KINDS = {"momentum": PER_RANK}     # error feedback: each rank's own unsent momentum
 
     def __init__(self, params, lr: float = 1e-3, beta: float = 0.999, alpha: float = 1.0, topk: int = 32,
                  chunk: int = 64, transform: str = "dct", base: str = "signum", weight_decay: float = 0.0,
@@ -149,6 +151,14 @@ class DeMo(CommunicatingOptimizer):
         if key not in self._compressors:
             self._compressors[key] = ChunkedTopK(*key)
         return self._compressors[key]
+
+    def _elastic_numel(self, group: dict, p: torch.Tensor, key: str, per_param: dict) -> int | None:
+        if momentum_in_transform(group):
+            return self.compressor(group).plan(p.shape).padded_numel      # coefficients, padding included
+        return super()._elastic_numel(group, p, key, per_param)
+
+    def _elastic_fold(self, state: dict, record: dict, refuse: str) -> dict:
+        return fold_sent_back(self, state, record)
 
     def _slots(self, layout: list[Member]) -> list[Slot]:
         """Each member's place in the message (`demo_slots.KeptSlots`)."""

@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 
 from .base import CommunicatingOptimizer, Member, flatten_grads
+from .elastic_rules import REPLICATED, expect_keys, torch_state
 from .exchange import ReduceAll
 from .flat import reuse, same_place, views
 from .shards import set_grad
@@ -82,6 +83,20 @@ class DenseAllReduce(CommunicatingOptimizer):
         # load_state_dict gives the wrapped optimizers new group dicts: share those instead.
         self.param_groups = [g for o in self.optimizers for g in o.param_groups]
         self._load_envelope_state(state_dict)
+
+    ELASTIC_KINDS = {"*": REPLICATED}        # every rank steps on the same mean gradient
+
+    def _elastic_state(self, states: list[dict], row: torch.Tensor, rank: int) -> dict:
+        """Each wrapped optimizer's torch state, every key replicated."""
+        expect_keys(states, "optimizers")
+        if any(len(s["optimizers"]) != len(self.optimizers) for s in states):
+            raise ValueError(f"a state wraps {len(states[0]['optimizers'])} optimizers, this DenseAllReduce "
+                             f"wraps {len(self.optimizers)}")
+        return {"optimizers": [torch_state(inner, [s["optimizers"][k] for s in states], row, self.ELASTIC_KINDS,
+                                           False, f"optimizers[{k}]") for k, inner in enumerate(self.optimizers)]}
+
+    def _elastic_sums(self, step: int) -> bool:
+        return True                            # the all-reduced sum of the W gradients
 
     def _describe(self, layout: list[Member]) -> str:
         return f"dense world_size={self.comm.world_size} {self.grad_dtype} " + " ".join(

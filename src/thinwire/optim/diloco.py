@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from .base import Member
+from .elastic_rules import PER_RANK, PERIODIC, param_state, torch_state
 from .periodic import PeriodicAveraging, check_delay, check_outer, check_sync_every, check_wire
 
 
@@ -96,6 +97,20 @@ class DiLoCo(PeriodicAveraging):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
+
+    ELASTIC_KINDS = PERIODIC
+
+    def _elastic_state(self, states: list[dict], row: torch.Tensor, rank: int) -> dict:
+        """The inner optimizer's state (every key per rank: each replica's own), the outer one by kind."""
+        inner = torch_state(self.inner, [s["inner"] for s in states], row, {"*": PER_RANK}, False, "inner")
+        outers, params = [s["outer"] for s in states], self.params
+        if any(not isinstance(o, list) or len(o) != len(params) for o in outers):
+            raise ValueError(f"outer: a state holds outer state for {[len(o) for o in outers]} parameters, this "
+                             f"{type(self).__name__} has {len(params)}")
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        return {"inner": inner, "outer": [param_state(self, group_of[id(p)], p, [o[n] for o in outers], row,
+                                                      self.ELASTIC_KINDS, False, f"outer of parameter {n}")
+                                          for n, p in enumerate(params)]}
 
     def state_dict(self):
         outer = [dict(self.state[p]) for p in self.params]

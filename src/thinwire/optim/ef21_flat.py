@@ -21,6 +21,7 @@ import torch
 
 from ..compress.ef21_blocks import BlockLink, groupable
 from .ef21_lmo import LmoPlan
+from .elastic_rules import check_torch_states, layout_ids
 from .flat import spans
 
 WORKER = ("momentum", "estimate")
@@ -243,3 +244,15 @@ def make_plan(key: tuple, layout, server: bool, uplink, downlink, header: str) -
                         f"@{down.start}+{down.size}" for m, up, down in zip(layout, ups, downs)]
     return Plan(key, families, [LmoPlan(fam, layout) for fam in families] if server else [],
                 sum(u.size for u in ups), sum(d.size for d in downs), "\n".join(lines))
+
+
+def commit_momenta_in_flight(opt, state: dict, record: dict) -> dict:
+    """An elastic resume's fold of EF21-Muon's step in flight (`ElasticRule._elastic_fold`):
+    M_j ← M_j⁺ where this rank had a gradient; G_j is kept, since the server never got R_j (so
+    G = mean G_j still holds and R_j is sent again from M_j⁺ − G_j)."""
+    check_torch_states(opt, [state])
+    per_param = {pid: dict(s) for pid, s in state["state"].items()}
+    for k, (pid, m_new) in enumerate(zip(layout_ids(opt), record["algorithm"]["momenta"])):
+        if k not in record["absent"]:
+            per_param[pid]["momentum"] = m_new.clone()
+    return {**state, "state": per_param}

@@ -86,9 +86,10 @@ from ..compress import EF21Compressor
 from ..compress.spec import parse_compressor
 from ..wire import checks
 from .base import CommunicatingOptimizer, Member
-from .ef21_flat import DOWN, UP, Family, Plan, Seeds, make_plan, plan_key
+from .ef21_flat import DOWN, UP, Family, Plan, Seeds, commit_momenta_in_flight, make_plan, plan_key
 from .ef21_lmo import LmoPlan, add_lmo_, lmo_of  # noqa: F401  (the per-tensor LMO, importable from here)
 from .ef21_relay import DeviceRelay
+from .elastic_rules import PER_RANK, SERVER, check_torch_states, torch_state
 from .exchange import GatherAll
 
 LMOS = ("auto", "spectral", "sign", "rms")
@@ -269,6 +270,16 @@ class EF21Muon(CommunicatingOptimizer):
     def is_server(self) -> bool:
         """Whether this rank runs the server step (and holds G and X)."""
         return self.topology == "replicated" or self.comm.rank == 0
+
+    # M_j, G_j: each rank's own; G, X: where the server runs (topology='replicated': every rank)
+    ELASTIC_KINDS = {"momentum": PER_RANK, "estimate": PER_RANK, "server_estimate": SERVER, "server_model": SERVER}
+
+    def _elastic_state(self, states: list[dict], row: torch.Tensor, rank: int) -> dict:
+        check_torch_states(self, states)
+        return torch_state(self, states, row, self.ELASTIC_KINDS, self.is_server, "state")
+
+    def _elastic_fold(self, state: dict, record: dict, refuse: str) -> dict:
+        return commit_momenta_in_flight(self, state, record)
 
     def _plan(self, layout: list[Member]) -> Plan:
         """The layout's plan, made again only when the layout (or a group's lmo) changes."""

@@ -1,28 +1,18 @@
 """A step in flight (`overlap=True`) at an elastic resume (`thinwire.optim.elastic`): folded
-back into the old rank's state, carried over rescaled, or refused; the rules and reasons are
-in elastic.py's docstring."""
+back into the old rank's state (each optimizer's `_elastic_fold`), carried over rescaled (a
+sum: `_elastic_sums`), or refused; the rules and reasons are in elastic.py's docstring."""
 
 from __future__ import annotations
 
 import torch
 
-from ..compress import Payload
-from .apmsqueeze import APMSqueeze
 from .checkpoints import INFLIGHT_KEY
-from .demo import DeMo
-from .dense import DenseAllReduce
-from .ef21_muon import EF21Muon
-from .periodic import PeriodicAveraging
-from .protocol import prefix_nbytes
+from .elastic_rules import ElasticRule
 
 
-def _layout_ids(optimizer) -> list[int]:
-    """The state_dict ids (positions in param-group order) of the layout's parameters."""
-    return [i for i, p in enumerate(optimizer.params) if p.requires_grad and p.numel()]
-
-
-def fold_in_flight(optimizer, state: dict, i: int) -> dict:
-    """Old rank i's state with its step in flight folded back (module docstring), or ValueError."""
+def fold_in_flight(optimizer: ElasticRule, state: dict, i: int) -> dict:
+    """Old rank i's state with its step in flight folded back by the optimizer's rule
+    (`ElasticRule._elastic_fold`), kept as a sum (`rescaled_sum`), or ValueError."""
     if INFLIGHT_KEY not in state:
         return state
     state = dict(state)
@@ -34,39 +24,15 @@ def fold_in_flight(optimizer, state: dict, i: int) -> dict:
     if {"before_jump", "eager_jump"} & set(record["algorithm"]):
         raise ValueError(f"{refuse} after an eager jump (SparseLoCo, delay > 1): the replica holds its own estimate "
                          "of the sync's result; flush() before the checkpoint to resume it on another world size")
-    if isinstance(optimizer, PeriodicAveraging) or _sums(optimizer, record["step"]):
-        return state                 # the sync not made: Δ_i stays in the replica; a sum: `rescaled_sum`
-    if not isinstance(optimizer, (DeMo, EF21Muon)):
-        raise ValueError(f"{refuse}: {type(optimizer).__name__}'s message has no local state to return to; "
-                         "flush() before the checkpoint to resume it on another world size")
-    layout, ids = optimizer.layout(), _layout_ids(optimizer)
-    per_param = {pid: dict(s) for pid, s in state["state"].items()}
-    if isinstance(optimizer, EF21Muon):              # M_j ← M_j⁺ where this rank had a gradient; G_j kept
-        for k, (pid, m_new) in enumerate(zip(ids, record["algorithm"]["momenta"])):
-            if k not in record["absent"]:
-                per_param[pid]["momentum"] = m_new.clone()
-    else:
-        slots = optimizer._slots(layout)
-        payload, scratch = record["message"][0][prefix_nbytes(len(layout)):], optimizer._scratch(slots)
-        for (group, p, comp, offset, n, _), pid in zip(slots, ids):
-            own = comp.read(Payload.from_buffer(payload[offset: offset + n], comp.payload_spec(p.shape)), p.shape)
-            m = per_param[pid]["momentum"].clone()
-            # M ← M + α T⁻¹(Q̂_i): what this rank sent returns to its momentum
-            optimizer._subtract_sent(record["step"], group, p, comp, m, own, group["alpha"], scratch)
-            per_param[pid]["momentum"] = m
-    return {**state, "state": per_param}
-
-
-def _sums(optimizer, step: int) -> bool:
-    """Whether the exchange of `step` is a sum all-reduce (ReduceAll) that is not a sync."""
-    return isinstance(optimizer, DenseAllReduce) or (isinstance(optimizer, APMSqueeze)
-                                                     and step <= optimizer.warmup_steps)
+    if optimizer._elastic_sums(record["step"]):
+        return state                 # a sum: `rescaled_sum` carries it
+    return optimizer._elastic_fold(state, record, refuse)
 
 
 def rescaled_sum(optimizer, states: list[dict], new: int) -> dict | None:
     """A summed step in flight, the same on every old rank, kept in flight for W' ranks."""
     records = [s.get(INFLIGHT_KEY) for s in states]
-    if records[0] is None or not _sums(optimizer, records[0]["step"]):
+    if records[0] is None or not optimizer._elastic_sums(records[0]["step"]):
         return None
     if any(r is None for r in records):
         raise ValueError(f"old ranks {[i for i, r in enumerate(records) if r is None]} have no step in flight, "

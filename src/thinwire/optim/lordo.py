@@ -72,6 +72,7 @@ import torch
 
 from ..ops import lowrank
 from .base import Member
+from .elastic_rules import PER_RANK, PERIODIC, REPLICATED
 from .lordo_groups import Stacks, refresh_stack_, signature, step_stacks_
 from .lordo_tensor import refresh_basis_, step_each_, whole_shape
 from .periodic import PeriodicAveraging, Slot
@@ -146,6 +147,14 @@ class LoRDO(PeriodicAveraging):
     def add_param_group(self, param_group: dict) -> None:
         _check_group({**self.defaults, **param_group})
         super().add_param_group(param_group)
+
+    # the sync's state as DiLoCo's; Q the same on every rank; the local moments and E each rank's own
+    ELASTIC_KINDS = {**PERIODIC, "Q": REPLICATED, "*": PER_RANK}
+
+    def _elastic_numel(self, group: dict, p: torch.Tensor, key: str, per_param: dict) -> int | None:
+        if "Q" in per_param and key in ("Q", "exp_avg", "exp_avg_sq"):
+            return None                                          # low-rank: the rank's shape
+        return super()._elastic_numel(group, p, key, per_param)
 
     @staticmethod
     def is_low_rank(group: dict, p: torch.Tensor) -> bool:

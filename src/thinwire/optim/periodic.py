@@ -148,6 +148,9 @@ class PeriodicAveraging(CommunicatingOptimizer):
         return ""
 
     # ---- the delayed landing (delay > 1) ---------------------------------------------------
+    def _elastic_fold(self, state: dict, record: dict, refuse: str) -> dict:
+        return state                 # the sync not made: Δ_i stays in the replica, the next sync carries it
+
     def _landing_step(self, record) -> int:
         return record.step + self.delay
 
