@@ -1,0 +1,34 @@
+"""The store exchange: sites that cannot reach each other exchange messages through an object store.
+
+Each site writes its message for a round as one signed object, written once, and reads the
+others' back; the first site to close a round writes the round's manifest with a conditional
+create, and every site applies exactly the manifest's messages (docs/design.md, "The store
+exchange"). Locations are URLs: `file:///shared/dir` (any real filesystem, no extra install)
+and `s3://bucket/prefix` (S3, R2, MinIO, ...; `pip install thinwire[store]`).
+
+    from thinwire.store import RoundExchange
+
+    exchange = RoundExchange("s3://run-bucket/run-42", site="site-a",
+                             sites=["site-a", "site-b"], key=run_key,
+                             fingerprint=run_config_json, round_timeout=90.0,
+                             options={"endpoint": "https://<account>.r2.cloudflarestorage.com"})
+    for step in range(steps):
+        message = optimizer_message(step)                       # bytes (a thinwire uint8 buffer)
+        result = exchange.exchange(step, message)
+        apply(result.messages)                                  # site -> payload, the manifest's
+        if not result.included:                                 # late or rejected: nothing applied it,
+            carry_over(message)                                 # so keep it for the next round
+        log(result.late, result.rejected, result.traffic.as_dict())
+
+A site that fell behind reads the rounds it missed with `exchange.read_round(r)` (None while
+round r is open). Nothing runs at import; obstore is imported when an s3:// location opens.
+"""
+
+from .envelope import REASONS, RejectedMessage, SignedMessage, open_envelope, run_fingerprint, seal
+from .locations import FileLocation, Location, LocationError, StoreTraffic, open_location
+from .manifest import Manifest
+from .rounds import ExchangeError, RoundExchange, RoundResult
+
+__all__ = ["REASONS", "ExchangeError", "FileLocation", "Location", "LocationError", "Manifest", "RejectedMessage",
+           "RoundExchange", "RoundResult", "SignedMessage", "StoreTraffic", "open_envelope", "open_location",
+           "run_fingerprint", "seal"]
