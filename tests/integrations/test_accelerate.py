@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integrations.launch import Forked, differs, finish, read_wire, torchrun
+from tests.integrations.launch import Forked, differs, finish, preloaded, read_wire, torchrun
 from tests.optim.registry import HANDSHAKE, dense_bytes
 from tests.train.shared import train_env
 from thinwire.integrations.commit import MARK
@@ -34,13 +34,17 @@ RUNS = ("demo", "lordo")
 KILLED = "demo"                 # killed mid-save and resumed ("last") in its directory; LoRDO from a path
 
 
-def _torchrun(optimizer: str, out: Path, *flags: str) -> Forked:
-    return torchrun(EXAMPLE, "--optimizer", optimizer, "--steps", str(STEPS), "--out", str(out), *flags,
-                    env=train_env())
+def _torchrun(env: dict, optimizer: str, out: Path, *flags: str) -> Forked:
+    return torchrun(EXAMPLE, "--optimizer", optimizer, "--steps", str(STEPS), "--out", str(out), *flags, env=env)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    with preloaded(EXAMPLE, train_env()) as env:      # Accelerate imported once, not by each of 12 workers
+        return _runs(tmp_path_factory, env)
+
+
+def _runs(tmp_path_factory, env: dict) -> dict:
     """{optimizer: its run directories and "checkpoint", its whole run's at step 10}, KILLED's
     "left" (what its killed run left), the plain-DDP baseline, and every launch's "output":
     four launches, then two."""
@@ -50,15 +54,15 @@ def runs(tmp_path_factory):
     for d in dirs.values():
         d["checkpoint"] = d["whole"] / "checkpoints" / "checkpoint_0"
     cut = ("--save-every", str(EVERY), "--keep", "1")
-    first = [(_torchrun(n, dirs[n]["whole"], "--count", "--save-every", str(SAVE_EVERY)), True) for n in RUNS]
-    first.append((_torchrun(KILLED, killed, *cut, "--kill-mid-save", str(CUT)), False))
+    first = [(_torchrun(env, n, dirs[n]["whole"], "--count", "--save-every", str(SAVE_EVERY)), True) for n in RUNS]
+    first.append((_torchrun(env, KILLED, killed, *cut, "--kill-mid-save", str(CUT)), False))
     dirs["plain"] = root / "plain"
-    first.append((_torchrun("demo", dirs["plain"], "--plain-ddp", "--count"), True))
+    first.append((_torchrun(env, "demo", dirs["plain"], "--plain-ddp", "--count"), True))
     dirs["output"] = [finish(proc, ok) for proc, ok in first]
     dirs[KILLED]["left"] = {p.name: sorted(f.name for f in p.iterdir()) for p in (killed / "checkpoints").iterdir()}
     dirs[KILLED]["params_left"] = sorted(p.name for p in killed.glob("params-rank*.pt"))
-    second = [_torchrun(KILLED, killed, *cut, "--resume", "last"),
-              _torchrun("lordo", dirs["lordo"]["resumed"], "--resume", str(dirs["lordo"]["checkpoint"]))]
+    second = [_torchrun(env, KILLED, killed, *cut, "--resume", "last"),
+              _torchrun(env, "lordo", dirs["lordo"]["resumed"], "--resume", str(dirs["lordo"]["checkpoint"]))]
     dirs["output"] += [finish(proc) for proc in second]
     return dirs
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integrations.launch import Forked, differs, finish, read_wire, torchrun
+from tests.integrations.launch import Forked, differs, finish, preloaded, read_wire, torchrun
 from tests.optim.registry import HANDSHAKE, dense_bytes
 from tests.train.shared import train_env
 from thinwire.integrations.commit import MARK
@@ -41,13 +41,17 @@ OPTIMIZERS = ("demo", "lordo")
 KILLED = "lordo"                # killed mid-save and resumed in its directory; DeMo from its whole run's checkpoint
 
 
-def _torchrun(optimizer: str, out: Path, *flags: str) -> Forked:
-    return torchrun(EXAMPLE, "--optimizer", optimizer, "--steps", str(STEPS), "--out", str(out),
-                    *flags, env=train_env(HF_HUB_OFFLINE="1"))
+def _torchrun(env: dict, optimizer: str, out: Path, *flags: str) -> Forked:
+    return torchrun(EXAMPLE, "--optimizer", optimizer, "--steps", str(STEPS), "--out", str(out), *flags, env=env)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    with preloaded(EXAMPLE, train_env(HF_HUB_OFFLINE="1")) as env:   # transformers imported once, not by 12 workers
+        return _runs(tmp_path_factory, env)
+
+
+def _runs(tmp_path_factory, env: dict) -> dict:
     """{optimizer: {"whole", "resumed" (KILLED's also "killed"): run directories, "checkpoint":
     the whole run's at SAVE_AT}, KILLED's "left": what its killed run left, "plain": the
     baseline, "output": each thinwire launch's output}: six launches, four then two."""
@@ -59,14 +63,14 @@ def runs(tmp_path_factory):
         d["checkpoint"] = d["whole"] / f"checkpoint-{SAVE_AT}"
     dirs["plain"] = root / "plain"
     cut = ("--save-at", str(EVERY), "--save-total-limit", "1")
-    first = [(_torchrun(n, dirs[n]["whole"], "--count", "--save-at", str(SAVE_AT)), True) for n in OPTIMIZERS]
-    first.append((_torchrun(KILLED, killed, *cut, "--kill-mid-save", str(CUT)), False))
-    first.append((_torchrun("demo", dirs["plain"], "--plain-ddp", "--count"), True))
+    first = [(_torchrun(env, n, dirs[n]["whole"], "--count", "--save-at", str(SAVE_AT)), True) for n in OPTIMIZERS]
+    first.append((_torchrun(env, KILLED, killed, *cut, "--kill-mid-save", str(CUT)), False))
+    first.append((_torchrun(env, "demo", dirs["plain"], "--plain-ddp", "--count"), True))
     dirs["output"] = [finish(proc, ok) for proc, ok in first][:-1]   # not plain Trainer's
     dirs[KILLED]["left"] = {p.name: sorted(f.name for f in p.iterdir()) for p in killed.glob("checkpoint-*")}
-    second = [_torchrun("demo", dirs["demo"]["resumed"], "--save-at", str(SAVE_AT), "--resume",
+    second = [_torchrun(env, "demo", dirs["demo"]["resumed"], "--save-at", str(SAVE_AT), "--resume",
                         str(dirs["demo"]["checkpoint"])),
-              _torchrun(KILLED, dirs[KILLED]["resumed"], *cut, "--resume", "last")]
+              _torchrun(env, KILLED, dirs[KILLED]["resumed"], *cut, "--resume", "last")]
     dirs["output"] += [finish(proc) for proc in second]
     return dirs
 

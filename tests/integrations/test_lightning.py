@@ -25,7 +25,7 @@ import torch
 
 pytest.importorskip("lightning")
 
-from tests.integrations.launch import Forked, differs, finish, read_wire, torchrun  # noqa: E402
+from tests.integrations.launch import Forked, differs, finish, preloaded, read_wire, torchrun  # noqa: E402
 from tests.optim.registry import APM_WARMUP, HANDSHAKE, dense_bytes, onebit_bytes  # noqa: E402
 from tests.train.shared import train_env  # noqa: E402
 from thinwire.optim.checkpoints import INFLIGHT_KEY  # noqa: E402
@@ -38,13 +38,18 @@ OPTIMIZERS = ("demo-overlap", "apmsqueeze")
 KILLED = "demo-overlap"         # killed while writing checkpoint KILL_IN; the other resumes from its whole run's
 
 
-def _torchrun(optimizer: str, out: Path, *flags: str) -> Forked:
+def _torchrun(env: dict, optimizer: str, out: Path, *flags: str) -> Forked:
     return torchrun(EXAMPLE, "--optimizer", optimizer, "--steps", str(STEPS), "--save-at", str(SAVE_AT),
-                    "--out", str(out), *flags, env=train_env())
+                    "--out", str(out), *flags, env=env)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    with preloaded(EXAMPLE, train_env()) as env:      # Lightning imported once, not by each of 14 workers
+        return _runs(tmp_path_factory, env)
+
+
+def _runs(tmp_path_factory, env: dict) -> dict:
     """{optimizer: its run directories and "checkpoint", one of its whole run's}; KILLED's
     "resumed" is its killed run's directory, resumed in place, with "after_kill" (what the
     kill left there) and "resume_log"; "plain": plain DDPStrategy's counted run, and the log
@@ -55,16 +60,16 @@ def runs(tmp_path_factory):
         d["checkpoint"] = d["whole"] / f"step-{KILL_IN}.ckpt"
     killed = dirs[KILLED]["resumed"]
     dirs["plain"] = {"whole": root / "plain", "resumed": root / "plain-resumed"}
-    first = [(_torchrun(n, dirs[n]["whole"], "--count"), True) for n in OPTIMIZERS]
-    first.append((_torchrun(KILLED, killed, "--kill-in-save", str(KILL_IN)), False))
-    first.append((_torchrun("apmsqueeze", dirs["plain"]["whole"], "--plain-ddp", "--count"), True))
+    first = [(_torchrun(env, n, dirs[n]["whole"], "--count"), True) for n in OPTIMIZERS]
+    first.append((_torchrun(env, KILLED, killed, "--kill-in-save", str(KILL_IN)), False))
+    first.append((_torchrun(env, "apmsqueeze", dirs["plain"]["whole"], "--plain-ddp", "--count"), True))
     for proc, ok in first:
         finish(proc, ok)
     dirs[KILLED]["after_kill"] = sorted(p.name for p in killed.iterdir())
-    second = [(_torchrun(KILLED, killed, "--resume", "last", "--count"), True),
-              (_torchrun("apmsqueeze", dirs["apmsqueeze"]["resumed"], "--resume", str(dirs["apmsqueeze"]["checkpoint"])),
+    second = [(_torchrun(env, KILLED, killed, "--resume", "last", "--count"), True),
+              (_torchrun(env, "apmsqueeze", dirs["apmsqueeze"]["resumed"], "--resume", str(dirs["apmsqueeze"]["checkpoint"])),
                True),
-              (_torchrun("apmsqueeze", dirs["plain"]["resumed"], "--plain-ddp", "--resume",
+              (_torchrun(env, "apmsqueeze", dirs["plain"]["resumed"], "--plain-ddp", "--resume",
                          str(dirs["plain"]["whole"] / f"step-{KILL_IN}.ckpt")), False)]
     logs = [finish(proc, ok) for proc, ok in second]
     dirs[KILLED]["resume_log"], dirs["plain"]["resume_log"] = logs[0], logs[-1]
