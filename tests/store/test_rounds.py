@@ -88,7 +88,7 @@ def test_a_late_site_is_left_out_and_told(late_run):
     assert a.included and b.included and (a.closed_here or b.closed_here)
     assert not c.included and c.missed_because == "late" and not c.closed_here
     assert c.waited_s < TIMEOUT / 2          # the manifest was there: the straggler did not wait
-    assert TIMEOUT <= a.waited_s and TIMEOUT <= b.waited_s
+    assert (a if a.closed_here else b).waited_s >= TIMEOUT    # the closer waited out its deadline
 
 
 def test_the_late_site_is_back_in_the_next_round(late_run):

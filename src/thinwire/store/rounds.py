@@ -126,9 +126,8 @@ class RoundExchange:
         """The agreed result of a round that has closed, None if it has not: how a site that
         fell behind catches up on the manifests it missed."""
         start, before = time.monotonic(), self.location.traffic.copy()
-        if self.location.get(manifest_key(round)) is None:
-            return None
-        return self._agree(round, [manifest_key(round)], start, before)
+        manifest = self._read_manifest(round)
+        return None if manifest is None else self._result(round, manifest, {}, False, start, before)
 
     def _seal(self, round: int, payload: bytes) -> bytes:
         return seal(payload, key=self.key, fingerprint=self.fingerprint, round=round, site=self.site)
@@ -148,12 +147,19 @@ class RoundExchange:
 
     def _agree(self, round: int, keys: list[str], start: float, before: StoreTraffic) -> RoundResult:
         """Settle `round` from a listing of its folder: adopt its manifest, or write one."""
-        verified: dict[str, tuple[str, bytes]] = {}
-        closed_here = False
         if manifest_key(round) not in keys:
             verified, proposal = self._judge(round, keys)
-            closed_here = self.location.put_once(manifest_key(round), self._seal(round, proposal.to_json()))
-        manifest = proposal if closed_here else self._read_manifest(round)
+            if self.location.put_once(manifest_key(round), self._seal(round, proposal.to_json())):
+                return self._result(round, proposal, verified, True, start, before)
+        else:
+            verified = {}
+        manifest = self._read_manifest(round)
+        if manifest is None:
+            raise ExchangeError(f"round {round}: the manifest's conditional create failed, yet there is no manifest")
+        return self._result(round, manifest, verified, False, start, before)
+
+    def _result(self, round: int, manifest: Manifest, verified: dict[str, tuple[str, bytes]],
+                closed_here: bool, start: float, before: StoreTraffic) -> RoundResult:
         messages = self._settle(round, manifest, verified)
         included = self.site in manifest.accepted
         if not included:
@@ -203,10 +209,11 @@ class RoundExchange:
             payloads[site] = message.payload
         return {s: payloads[s] for s in sorted(manifest.accepted)}
 
-    def _read_manifest(self, round: int) -> Manifest:
+    def _read_manifest(self, round: int) -> Manifest | None:
+        """The round's manifest, verified; None while the round is open."""
         blob = self.location.get(manifest_key(round))
         if blob is None:
-            raise ExchangeError(f"round {round}: the manifest's conditional create failed, yet there is no manifest")
+            return None
         try:
             message = open_envelope(blob, key=self.key, fingerprint=self.fingerprint, round=round)
             manifest = Manifest.from_json(message.payload)
