@@ -3,6 +3,8 @@ contradicts the agreement (which must fail loudly on every site, never be guesse
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from thinwire.store import ExchangeError, FileLocation, Manifest, RoundExchange, run_fingerprint, seal
@@ -72,3 +74,13 @@ def test_read_round_of_an_open_round_is_none(tmp_path):
     exchange.publish(0, b"mine")
     assert exchange.read_round(0) is None
     assert location.list("rounds") == [message_key(0, "site-a")]
+
+
+def test_rejections_are_named_in_the_log(tmp_path, caplog):
+    location = FileLocation(tmp_path)
+    forged = seal(b"theirs", key=b"forger", fingerprint=run_fingerprint(CONFIG), round=0, site="site-b")
+    location.put_once(message_key(0, "site-b"), forged)
+    with caplog.at_level(logging.WARNING, logger="thinwire.store"):
+        result = exchange_at(location).exchange(0, b"mine")
+    assert result.rejected == {"site-b": "forged"} and result.messages == {"site-a": b"mine"}
+    assert "round 0: rejected site-b's message: forged: HMAC mismatch" in caplog.text
