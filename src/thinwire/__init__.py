@@ -8,8 +8,8 @@
 
 from .comm import CommCounters, CommStats, Communicator
 from .optim import (APMSqueeze, DeMo, DenseAllReduce, DiLoCo, EF21Muon, LoRDO, NonFiniteGradientError,
-                    PeerMismatchError, SparseLoCo)
+                    PeerMismatchError, SignDeMo, SparseLoCo)
 
 __version__ = "0.1.0"
 __all__ = ["APMSqueeze", "CommCounters", "CommStats", "Communicator", "DeMo", "DenseAllReduce", "DiLoCo", "EF21Muon",
-           "LoRDO", "NonFiniteGradientError", "PeerMismatchError", "SparseLoCo", "__version__"]
+           "LoRDO", "NonFiniteGradientError", "PeerMismatchError", "SignDeMo", "SparseLoCo", "__version__"]

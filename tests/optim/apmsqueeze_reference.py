@@ -132,7 +132,7 @@ def grads_of(rank: int) -> list:
 def optimizer_run(rank: int, world: int) -> dict:
     """WARMUP Adam steps then STEPS - WARMUP compressed steps; parameters after each step."""
     params = [torch.nn.Parameter(t) for t in initial_params()]
-    opt = APMSqueeze(params, lr=LR, warmup_steps=WARMUP, betas=BETAS, eps=EPS, weight_decay=WD)
+    opt = APMSqueeze(params, lr=LR, warmup_steps=WARMUP, betas=BETAS, eps=EPS, weight_decay=WD, scale="chunk")
     history = []
     for g in grads_of(rank):
         for p, gk in zip(params, g):
@@ -174,7 +174,7 @@ def nonfinite_run(rank: int, world: int, nonfinite: str) -> dict:
     step 6 (compressed) is good, step 7 (compressed, error buffers no longer zero) has the
     NaN, step 8 is good; each good step proves no rank was left inside a collective."""
     params = [torch.nn.Parameter(t) for t in initial_params()]
-    opt = APMSqueeze(params, lr=LR, warmup_steps=5, betas=BETAS, nonfinite=nonfinite)
+    opt = APMSqueeze(params, lr=LR, warmup_steps=5, betas=BETAS, nonfinite=nonfinite, scale="chunk")
     def bad_then_good():
         return _try_step(rank, world, params, opt, nan=True), _try_step(rank, world, params, opt, nan=False)
 
@@ -196,7 +196,7 @@ def absent_run(rank: int, world: int) -> dict:
     which the second parameter has a gradient on no rank and the third one only on rank 0."""
     gen = torch.Generator().manual_seed(7)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ABSENT_SHAPES]
-    opt = APMSqueeze(params, lr=LR, warmup_steps=5, betas=BETAS, weight_decay=WD)
+    opt = APMSqueeze(params, lr=LR, warmup_steps=5, betas=BETAS, weight_decay=WD, scale="chunk")
     for t in range(7):
         grads = [torch.randn(s, generator=torch.Generator().manual_seed(50 + 10 * rank + t)) for s in ABSENT_SHAPES]
         for k, p in enumerate(params):

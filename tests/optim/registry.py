@@ -71,11 +71,22 @@ def _muon_and_adamw(params, **kw):
     return thinwire.DenseAllReduce([torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(others, lr=1e-2)], **kw)
 
 
-def onebit_bytes(world: int, sizes) -> int:
-    """phase 1: (W − 1) chunks of prefix + 4-byte scale + N/(8W) sign bytes; phase 2: scale + signs."""
+def scale_slots(world: int, sizes) -> int:
+    """scale='tensor' (the default): scales per chunk message, S = the most tensor parts any of
+    the W chunks of c = N/W values holds, the padding after the last tensor counting as one."""
     n = max(1, math.ceil(sum(sizes) / (8 * world))) * 8 * world
-    chunk = n // (8 * world)
-    return (world - 1) * (prefix(sizes) + 4 + chunk) + 4 + chunk
+    parts = list(sizes) + ([n - sum(sizes)] if n > sum(sizes) else [])
+    ends = [sum(parts[:i + 1]) for i in range(len(parts))]                  # tensor k covers [ends[k-1], ends[k])
+    c = n // world
+    return max(sum(1 for k, end in enumerate(ends) if end > j * c and (ends[k - 1] if k else 0) < (j + 1) * c)
+               for j in range(world))
+
+
+def onebit_bytes(world: int, sizes) -> int:
+    """phase 1: (W − 1) chunks of prefix + 4 S scale bytes + N/(8W) sign bytes; phase 2: scales + signs."""
+    n = max(1, math.ceil(sum(sizes) / (8 * world))) * 8 * world
+    chunk, scales = n // (8 * world), 4 * scale_slots(world, sizes)
+    return (world - 1) * (prefix(sizes) + scales + chunk) + scales + chunk
 
 
 DEMO = dict(lr=0.01, topk=8, chunk=16)
@@ -134,6 +145,10 @@ REGISTRY: dict[str, Config] = {
     "diloco": Config(lambda ps, **kw: thinwire.DiLoCo(ps, inner=lambda q: torch.optim.AdamW(q, lr=1e-2),
                                                       sync_every=SYNC_EVERY, outer_lr=0.7, **kw), SYNC_EVERY,
                      lambda w, s: {"payload": dense_bytes(s, 4)}),
+    # SignDeMo (Psyche's 1-bit DeMo): per chunk k indices and k sign bits, no scale: see sign_demo_bytes below
+    "sign-demo": Config(lambda ps, **kw: thinwire.SignDeMo(ps, lr=0.01, topk=8, chunk=16, **kw), 1, None),
+    "sign-demo-overlap": Config(lambda ps, **kw: thinwire.SignDeMo(ps, lr=0.01, topk=8, chunk=16, overlap=True, **kw),
+                                1, None, 1),
     # SparseLoCo: its bytes depend on the chunk geometry of each shape: see sparseloco_bytes below
     "sparseloco": Config(lambda ps, **kw: _sparseloco(ps, **kw), SYNC_EVERY, None),
     "sparseloco-overlap": Config(lambda ps, **kw: _sparseloco(ps, overlap=True, **kw), SYNC_EVERY, None, 1),
@@ -168,6 +183,16 @@ def demo_bytes(shapes, values: str = "bf16", topk: int = 8) -> int:
     return total
 
 
+def sign_demo_bytes(shapes, topk: int = 8) -> int:
+    """The prefix, then per tensor its C·k indices in ceil(log2 E) bits and C·k sign bits (signbit)."""
+    total = 8 + math.ceil(len(shapes) / 8)
+    for shape in shapes:
+        chunks, elems = DEMO_GEOMETRY[tuple(shape)]
+        k = min(topk, elems)
+        total += math.ceil(chunks * k * max(1, math.ceil(math.log2(elems))) / 8) + math.ceil(chunks * k / 8)
+    return total
+
+
 # SparseLoCo's k per chunk of E elements: round(E · topk / chunk²) (half to even), at least 1. With
 # topk 64, chunk 16 (DEMO_GEOMETRY's chunks): E = 192 -> 48, 16 -> 4, 160 -> 40, 10 -> 2.5 -> 2.
 SPARSELOCO_K = {192: 48, 16: 4, 160: 40, 10: 2}
@@ -191,6 +216,8 @@ def expected_payload(name: str, world: int, shapes) -> dict:
         return {"payload": demo_bytes(shapes, "int8" if "int8" in name else "bf16")}
     if name.startswith("sparseloco"):
         return {"payload": sparseloco_bytes(shapes)}
+    if name.startswith("sign-demo"):
+        return {"payload": sign_demo_bytes(shapes)}
     return REGISTRY[name].payload(world, [math.prod(s) for s in shapes])
 
 
@@ -228,11 +255,11 @@ HANDSHAKE = 8       # the first step of a group of two or more: an all-gather of
 
 def onebit_counters(world: int, sizes) -> dict:
     """APMSqueeze's compressed all-reduce, N values padded to 8W, chunks of c = N / W: phase 1
-    an all-to-all of W chunks of prefix + 4-byte scale + c/8 sign bytes (the own chunk is not
-    handed over), phase 2 an all-gather of a scale and c/8 sign bytes."""
-    c = math.ceil(sum(sizes) / (8 * world)) * 8
-    chunk = prefix(sizes) + 4 + c // 8                 # all-to-all of n = W chunks: n(W - 1)/W each way
-    return plus(link((world - 1) * chunk, (world - 1) * chunk, (world - 1) * chunk), all_gather(4 + c // 8, world))
+    an all-to-all of W chunks of prefix + 4 S scale bytes + c/8 sign bytes (the own chunk is not
+    handed over), phase 2 an all-gather of S scales and c/8 sign bytes (S: `scale_slots`)."""
+    c, scales = math.ceil(sum(sizes) / (8 * world)) * 8, 4 * scale_slots(world, sizes)
+    chunk = prefix(sizes) + scales + c // 8            # all-to-all of n = W chunks: n(W - 1)/W each way
+    return plus(link((world - 1) * chunk, (world - 1) * chunk, (world - 1) * chunk), all_gather(scales + c // 8, world))
 
 
 def apmsqueeze_counters(warmup: int) -> Callable:

@@ -314,4 +314,5 @@ def test_frozen_and_empty_parameters_are_not_part_of_the_message():
         assert opt.comm_stats.last_step.payload_bytes == 4 * (15 + 7 + 1 + 16 + 2)
     assert torch.equal(frozen, torch.ones(4)) and frozen not in opt.state and empty not in opt.state
     opt.step()                                                       # compressed: N = 24 (22 padded to 8)
-    assert opt.comm_stats.last_step.payload_bytes == 4 + 24 // 8     # W = 1: only the all_gather is handed over
+    # W = 1: only the all_gather is handed over; scale='tensor': 3 scales (15, 7 and the 2 padding values)
+    assert opt.comm_stats.last_step.payload_bytes == 4 * 3 + 24 // 8

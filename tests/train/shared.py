@@ -15,7 +15,7 @@ from pathlib import Path
 STEPS, SYNC_EVERY, COMPRESSED_AFTER = 24, 8, 0.5
 # --sync-every reaches only LoRDO, DiLoCo and SparseLoCo, --compressed-after only APMSqueeze's dense warmup
 TINY = ("--preset", "tiny", "--workers", "2", "--steps", str(STEPS), "--sync-every", str(SYNC_EVERY),
-        "--compressed-after", str(COMPRESSED_AFTER))
+        "--apmsqueeze-compressed-after", str(COMPRESSED_AFTER))
 # compare launches each optimizer on workers of its own, so a run depends only on its name and
 # the flags: one launch of the three files' optimizers gives each the runs it checks, and AdamW
 # and DeMo train once instead of three and two times

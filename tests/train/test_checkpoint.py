@@ -25,7 +25,7 @@ def _apm_round_trip(rank: int, world: int, root: str):
     from thinwire.train.checkpoint import load, save
     from thinwire.train.model import build_model
     from thinwire.train.optimizers import get_optimizer
-    cfg = get_preset("tiny", compressed_after=0.5, steps=10)       # 5 dense warmup steps, then 1-bit
+    cfg = get_preset("tiny", apmsqueeze_compressed_after=0.5, steps=10)       # 5 dense warmup steps, then 1-bit
     built = get_optimizer("apmsqueeze").build(build_model(cfg), cfg, 3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(built.optimizer, lambda s: 1.0)
     torch.manual_seed(100 + rank)                      # every rank its own gradients: errors differ
@@ -163,7 +163,22 @@ def test_a_checkpoint_older_than_a_config_field_resumes_with_its_default(interru
     cfg = get_preset("tiny", **TINY)
     assert check(older, expected_meta(cfg, "demo", 3e-3, 2))["step"] == meta["step"]
     with pytest.raises(CheckpointError, match=r"sparseloco_topk: checkpoint 128, this run 64"):
-        check(older, expected_meta(replace(cfg, sparseloco_topk=64), "demo", 3e-3, 2))
+        check(older, expected_meta(cfg.with_settings(sparseloco_topk=64), "demo", 3e-3, 2))
+
+
+def test_a_checkpoint_from_before_the_settings_rename_resumes(interrupted, tmp_path):
+    """A checkpoint written when DeMo's top-k was the config's `topk` (now `demo_topk`,
+    config.RENAMED) is the same run: it resumes, and another top-k is refused by its new name."""
+    whole, _ = interrupted
+    older = tmp_path / "older"
+    shutil.copytree(latest(checkpoint_root(whole)), older)
+    meta = json.loads((older / "thinwire.json").read_text())
+    meta["config"]["topk"] = meta["config"].pop("demo_topk")
+    (older / "thinwire.json").write_text(json.dumps(meta))
+    cfg = get_preset("tiny", **TINY)
+    assert check(older, expected_meta(cfg, "demo", 3e-3, 2))["step"] == meta["step"]
+    with pytest.raises(CheckpointError, match=r"demo_topk: checkpoint 32, this run 31"):
+        check(older, expected_meta(cfg.with_settings(demo_topk=31), "demo", 3e-3, 2))
 
 
 def test_cli_refuses_a_foreign_checkpoint_before_any_worker_starts(interrupted, tmp_path, capsys):

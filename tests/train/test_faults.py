@@ -29,8 +29,8 @@ OPTIMIZERS = ["demo", "apmsqueeze", "ef21-muon", "lordo"]
 # APMSqueeze needs 5 dense warmup steps: its run is 12 steps long (warmup 5), so that the kill
 # (step 10) and the checkpoint it resumes from (step 8) fall in its 1-bit phase, errors and all
 STEPS = {"apmsqueeze": 12}
-FLAGS = {"apmsqueeze": ["--compressed-after", "0.42"]}
-SETTINGS = {"apmsqueeze": {"compressed_after": 0.42}}
+FLAGS = {"apmsqueeze": ["--apmsqueeze-compressed-after", "0.42"]}
+SETTINGS = {"apmsqueeze": {"apmsqueeze_compressed_after": 0.42}}
 
 
 def _torchrun(out: Path, optimizer: str, restarts: int, env: dict) -> Forked:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from thinwire.train.config import get_preset
+from thinwire.train.settings import DeMoSettings
 from thinwire.train.hf import check_model, family_config, kv_heads, mlp_width
 from thinwire.train.model import build_model, hidden_matrices
 
@@ -110,10 +111,11 @@ def test_a_missing_extra_names_it(monkeypatch):
 
 
 def test_family_defaults_apply_unless_given():
-    assert get_preset("small", model="llama").topk == 44           # FAMILY_DEFAULTS: >= 100x fewer bytes
-    assert get_preset("small", model="llama", topk=58).topk == 58
-    assert get_preset("small").topk == get_preset("small", model="qwen2").topk == 58
-    assert get_preset("tiny", model="llama").topk == get_preset("tiny").topk
+    topk = lambda cfg: cfg.settings(DeMoSettings).topk  # noqa: E731
+    assert topk(get_preset("small", model="llama")) == 44           # FAMILY_DEFAULTS: >= 100x fewer bytes
+    assert topk(get_preset("small", model="llama", demo_topk=58)) == 58
+    assert topk(get_preset("small")) == topk(get_preset("small", model="qwen2")) == 58
+    assert topk(get_preset("tiny", model="llama")) == topk(get_preset("tiny"))
 
 
 def test_a_parameter_narrower_than_a_site_is_refused_before_any_worker(tmp_path):

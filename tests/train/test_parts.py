@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from thinwire.train.config import PRESETS, get_preset, parse_link
+from thinwire.train.settings import DeMoSettings
 from thinwire.train.data import load_corpus, stdlib_files, train_batch
 from thinwire.train.model import build_model
 from thinwire.train.optimizers import OPTIMIZERS, get_optimizer
@@ -43,16 +44,16 @@ def test_wan_preset_is_link_bound_at_100mbit():
 
 
 def test_demo_chunk_and_topk_reach_the_optimizer():
-    cfg = get_preset("tiny", chunk=32, topk=15)
+    cfg = get_preset("tiny", demo_chunk=32, demo_topk=15)
     opt = get_optimizer("demo").build(build_model(cfg), cfg, 1e-3).optimizer
     group = opt.param_groups[0]
-    assert (group["chunk"], group["topk"], group["values"]) == (32, 15, cfg.values)
+    assert (group["chunk"], group["topk"], group["values"]) == (32, 15, cfg.settings(DeMoSettings).values)
     plan = opt.compressor(group).plan((4 * cfg.n_embd, cfg.n_embd))     # MLP fc: [256, 64]
     assert (plan.chunk_rows, plan.chunk_cols) == (32, 32)
-    assert (PRESETS["wan"].chunk, PRESETS["small"].chunk) == (32, 64)
+    assert (PRESETS["wan"].settings(DeMoSettings).chunk, PRESETS["small"].settings(DeMoSettings).chunk) == (32, 64)
     for field in ("chunk", "topk"):
-        with pytest.raises(ValueError, match=field):
-            get_preset("small", **{field: 0})
+        with pytest.raises(ValueError, match=f"demo: {field} must be"):
+            get_preset("small", **{f"demo_{field}": 0})
 
 
 def test_parse_link():

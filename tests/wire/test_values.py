@@ -22,13 +22,13 @@ def ref_sign_bytes(flat_values):
 
 def documented_nbytes(name, rows, cols):
     per_value = {"fp32": 4 * rows * cols, "bf16": 2 * rows * cols, "fp16": 2 * rows * cols,
-                 "int8": 4 * rows + rows * cols, "sign": 4 * rows + -(-rows * cols // 8),
+                 "int8": 4 * rows + rows * cols, "sign": 4 * rows + -(-rows * cols // 8), "signbit": -(-rows * cols // 8),
                  "2bit": 16 * rows + -(-rows * cols // 4), "8bit": 1024 * rows + rows * cols}
     return per_value[name]
 
 
 def test_names_and_flags():
-    assert CODEC_NAMES == ("fp32", "bf16", "fp16", "int8", "sign", "2bit", "8bit")
+    assert CODEC_NAMES == ("fp32", "bf16", "fp16", "int8", "sign", "signbit", "2bit", "8bit")
     for name in CODEC_NAMES:
         codec = get_codec(name)
         assert codec.name == name and codec.lossless == (name == "fp32")
@@ -37,7 +37,7 @@ def test_names_and_flags():
 def test_value_format_table():
     """The one table of value-format names: CODEC_NAMES derives from it, and each codec's
     size, lossless flag and error factor agree with its row."""
-    assert tuple(VALUE_FORMATS) == ("fp32", "bf16", "fp16", "int8", "sign", "2bit", "8bit", "natural")
+    assert tuple(VALUE_FORMATS) == ("fp32", "bf16", "fp16", "int8", "sign", "signbit", "2bit", "8bit", "natural")
     assert all(isinstance(fmt, ValueFormat) for fmt in VALUE_FORMATS.values())
     assert CODEC_NAMES == tuple(name for name, fmt in VALUE_FORMATS.items() if fmt.codec)
     assert not VALUE_FORMATS["natural"].codec
@@ -168,7 +168,7 @@ def test_sign_rms_preserves_each_row_norm():
     assert torch.equal(torch.where(x >= 0, 1.0, -1.0), y.sign())
 
 
-@pytest.mark.parametrize("name", CODEC_NAMES + ("sign_rms",))
+@pytest.mark.parametrize("name", tuple(n for n in CODEC_NAMES if n != "signbit") + ("sign_rms",))
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_input_is_never_decoded_as_finite(name, bad):
     codec = SignCodec("rms") if name == "sign_rms" else get_codec(name)
@@ -231,3 +231,15 @@ def test_malformed_buffers_and_inputs_raise(name):
         codec.encode(randn(18))
     with pytest.raises(ValueError, match="x must be a floating"):
         codec.encode(torch.ones(2, 9, dtype=torch.int64))
+
+
+def test_signbit_is_the_signs_alone_and_cannot_carry_non_finite_values():
+    """'signbit' (Psyche's messages): pack_signs' bits and nothing else, decoded as +1 / -1,
+    zero as +1; its one bit cannot say NaN or inf (the documented exception: a sender checks
+    finiteness before it encodes), NaN codes as -1 and inf as its sign."""
+    x = torch.tensor([[0.5, -0.0, 0.0, -3.0, 1e-30, -1e-30, 7.0, -2.0, 4.0]])
+    buf = get_codec("signbit").encode(x)
+    assert buf.tolist() == ref_sign_bytes(x.flatten().tolist())
+    assert get_codec("signbit").decode(buf, 1, 9).tolist() == [[1.0, 1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0]]
+    odd = torch.tensor([[float("nan"), float("inf"), -float("inf")]])
+    assert get_codec("signbit").roundtrip(odd).tolist() == [[-1.0, 1.0, -1.0]]

@@ -40,6 +40,10 @@ def check_group(g: dict) -> None:
         raise ValueError("values='8bit' sends a 256-level table (1,024 bytes) with every row, and DeMo's rows "
                          "are its chunks (topk values each): use 'int8', or '8bit' with SparseLoCo, whose rows are "
                          "whole tensors")
+    if g["values"] == "signbit":                    # ±1 on the wire: M − α T⁻¹(Q̂) would subtract unit values
+        raise ValueError("values='signbit' carries no magnitude, and DeMo subtracts what the wire delivers from "
+                         "its momentum: use 'sign' (a scale per chunk), or thinwire.SignDeMo, which subtracts "
+                         "the kept coefficients themselves")
     if g["momentum_domain"] == "transform" and g["transform"] == "random":
         raise ValueError("momentum_domain='transform' needs a fixed basis: transform must be 'dct' or 'identity'")
     if not g["weight_decay"] >= 0.0:

@@ -49,7 +49,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .config import TrainConfig
+from .config import RENAMED, TrainConfig
 from .remap import layout, layout_text, new_rank_blob, peers
 
 META = "thinwire.json"
@@ -59,7 +59,7 @@ _NAME = re.compile(r"^step-(\d{6,})$")
 # number of sites (checked in _layout_diffs) are mapped (train/remap.py).
 MAY_DIFFER = ("eval_every", "workers", "sites")
 # A config field added after a checkpoint was written: that run had the field's default.
-_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+_FIELD_DEFAULTS = TrainConfig().record()
 
 
 class CheckpointError(ValueError):
@@ -112,7 +112,7 @@ def _shapes(model: torch.nn.Module) -> dict[str, list[int]]:
 
 def expected_meta(cfg, optimizer: str, lr: float, world: int, model: torch.nn.Module | None = None) -> dict:
     """What a checkpoint of this run must say about itself to be resumed by it."""
-    meta = {"optimizer": optimizer, "lr": lr, "world": world, "config": dict(cfg.__dict__)}
+    meta = {"optimizer": optimizer, "lr": lr, "world": world, "config": cfg.record()}
     if model is not None:
         meta["params"] = _shapes(model)
     return meta
@@ -136,6 +136,7 @@ def check(path: Path, expect: dict) -> dict:
     saved, now = meta.get("config", {}), expect.get("config", {})
     diffs += _layout_diffs(meta.get("world", expect.get("world")), saved.get("sites") or 0,
                            expect.get("world", meta.get("world")), now.get("sites") or 0)
+    saved = {RENAMED.get(k, k): v for k, v in saved.items()}      # written before the field's rename
     saved = {**_FIELD_DEFAULTS, **saved}    # a field newer than the checkpoint: it ran with its default
     for key in sorted(set(saved) | set(now)):
         if key not in MAY_DIFFER and saved.get(key) != now.get(key):

@@ -14,14 +14,39 @@ import sys
 
 DEFAULT_COMPARE = "adamw,powersgd,demo"
 _OVERRIDES = ("model", "init_from", "workers", "sites", "n_layer", "n_embd", "n_head", "context", "vocab_size", "rows",
-              "steps", "eval_every", "eval_rows", "seed", "lr", "topk", "chunk", "alpha", "beta", "momentum_form", "rank", "values", "compressed_after",
-              "uplink", "sync_every", "sync_delay", "lowrank", "sparseloco_topk", "sparseloco_chunk", "sparseloco_values",
-              "sparseloco_indices", "sparseloco_error_decay", "sparseloco_outer_lr", "sparseloco_eager_scale", "diloco_outer_lr",
-              "diloco_outer_momentum")
-_FLOATS = ("lr", "alpha", "beta", "compressed_after", "sparseloco_error_decay", "sparseloco_outer_lr",
-           "sparseloco_eager_scale", "diloco_outer_lr", "diloco_outer_momentum")
-_STRINGS = ("model", "init_from", "values", "uplink", "momentum_form", "sparseloco_values",
-            "sparseloco_indices")
+              "steps", "eval_every", "eval_rows", "seed", "lr", "sync_every", "sync_delay")
+_FLOATS = ("lr",)
+_STRINGS = ("model", "init_from")
+_TYPES = {"int": int, "float": float, "str": str}
+_METAVARS = {"int": "N", "float": "X", "str": "TEXT"}
+
+
+class _Renamed(argparse.Action):
+    """An old flag of a field that became an optimizer's setting: still taken, with a note."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"thinwire: note: {option_string} is now --{self.dest.replace('_', '-')}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def _settings_args(p: argparse.ArgumentParser) -> None:
+    """--<prefix>-<field> for every optimizer's settings (train/settings.py), help from the
+    field's docstring; the fields' old flags (config.RENAMED) as hidden aliases."""
+    from dataclasses import fields
+    from .config import RENAMED
+    from .settings import Settings, field_docs, flat_key
+    kinds = {}
+    for cls in Settings.KNOWN.values():
+        docs, group = field_docs(cls), p.add_argument_group(f"{cls.PREFIX} settings", cls.__doc__)
+        for f in fields(cls):
+            key, kinds[flat_key(cls, f.name)] = flat_key(cls, f.name), _TYPES[str(f.type)]
+            group.add_argument(f"--{cls.PREFIX}-{f.name.replace('_', '-')}", dest=key, type=kinds[key],
+                               metavar=_METAVARS[str(f.type)],
+                               help=f"{docs.get(f.name, '')} (default: the preset's, else {f.default})"
+                               .replace("%", "%%"))
+    for old, key in RENAMED.items():
+        p.add_argument("--" + old.replace("_", "-"), dest=key, type=kinds[key], action=_Renamed,
+                       help=argparse.SUPPRESS)
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
@@ -52,6 +77,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     for name in _OVERRIDES:
         kind = float if name in _FLOATS else str if name in _STRINGS else int
         p.add_argument("--" + name.replace("_", "-"), type=kind, help=FIELD_HELP[name] + " (overrides the preset)")
+    _settings_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args):
     from .config import get_preset
-    return get_preset(args.preset, **{name: getattr(args, name) for name in _OVERRIDES},
+    from .settings import flat_fields
+    return get_preset(args.preset, **{name: getattr(args, name) for name in (*_OVERRIDES, *flat_fields())},
                       overlap=getattr(args, "overlap", None))
 
 

@@ -15,6 +15,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields, replace
+from typing import TypeVar
+
+from .settings import DeMoSettings, Settings, flat_fields, with_flat
+
+S = TypeVar("S", bound=Settings)
 
 
 @dataclass(frozen=True)
@@ -39,32 +44,28 @@ class TrainConfig:
     min_lr_frac: float = 0.1
     seed: int = 0
     lr: float | None = None      # None: the optimizer's registered default for this preset
-    topk: int = 32               # DeMo: DCT coefficients kept per chunk
-    chunk: int = 64              # DeMo: target chunk side (64: 64x64 DCT chunks)
-    alpha: float = 1.0           # DeMo: momentum subtraction
-    beta: float = 0.99           # DeMo: momentum decay (swept: 0.99 beats the paper's 0.999 here)
-    momentum_form: str = "ema"   # DeMo: 'ema' (the paper's, the class default) or 'reference' (bloc97's)
-    values: str = "bf16"         # DeMo: wire precision of kept coefficients (fp32, bf16, int8, sign)
-    rank: int = 4                # PowerSGD: approximation rank
-    compressed_after: float = 0.2  # APMSqueeze: fraction of steps of dense Adam warmup before 1-bit momentum
-    uplink: str = "topk:0.44+int8"  # EF21-Muon: uplink compressor spec (replicated topology, no downlink)
     sync_every: int = 32         # LoRDO, DiLoCo and SparseLoCo: local steps between synchronisations
-    lowrank: int = 0             # LoRDO: rank r of the projection (0: min(256, n_embd / 4))
     sync_delay: int = 0          # diloco-delayed, sparseloco-delayed: steps a sync stays in flight (0: sync_every)
-    sparseloco_topk: int = 128   # SparseLoCo: values kept per chunk x chunk chunk (the paper's 128 of 64 x 64)
-    sparseloco_chunk: int = 64   # SparseLoCo: target chunk side
-    sparseloco_values: str = "2bit"  # SparseLoCo: wire format of the kept values (2bit, 8bit, int8, bf16, fp32)
-    sparseloco_indices: str = "packed"  # SparseLoCo: coding of the kept indices (packed, elias-fano)
-    sparseloco_error_decay: float = 0.95  # SparseLoCo: β of the error feedback e <- βe + Δ (the paper's 0.95)
-    sparseloco_outer_lr: float = 1.0      # SparseLoCo: α of the outer step θ₀ <- θ₀ - α mean(Δ̂) (the paper's 1)
-    sparseloco_eager_scale: float = 1.0   # sparseloco-delayed: c of the eager jump θ <- θ₀ - c α Δ̂_r (1: its estimate)
-    diloco_outer_lr: float = 0.7          # DiLoCo: outer Nesterov learning rate (the published 0.7)
-    diloco_outer_momentum: float = 0.9    # DiLoCo: outer Nesterov momentum (the published 0.9; 0: plain averaging)
+    optimizer_settings: tuple[Settings, ...] = ()  # each optimizer's own (train/settings.py); absent: its defaults
     overlap: bool = False        # thinwire optimizers: overlap=True (each step's exchange in flight during the next compute)
 
     @property
     def warmup_steps(self) -> int:
         return max(1, round(self.warmup_frac * self.steps))
+
+    def settings(self, cls: type[S]) -> S:
+        """This run's settings of one optimizer (`cls`, e.g. DeMoSettings): given, or its defaults."""
+        return next((s for s in self.optimizer_settings if type(s) is cls), None) or cls()
+
+    def with_settings(self, **flat) -> TrainConfig:
+        """This config with optimizer settings set by their flat keys (demo_topk=15, ...)."""
+        return replace(self, optimizer_settings=with_flat(self.optimizer_settings, flat))
+
+    def record(self) -> dict:
+        """Every field as plain data, each optimizer's settings under its flat keys (a
+        checkpoint's `config`: what a resumed run must match)."""
+        plain = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "optimizer_settings"}
+        return {**plain, **{key: getattr(self.settings(cls), name) for key, (cls, name) in flat_fields().items()}}
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,13 @@ class RunOptions:
         return self.checkpoint and bool(self.out_dir)
 
 
+# Fields that became an optimizer's settings (train/settings.py): old name -> flat key. The CLI
+# still takes the old flags (with a note), and a checkpoint written before reads as the new key.
+RENAMED = {"topk": "demo_topk", "chunk": "demo_chunk", "alpha": "demo_alpha", "beta": "demo_beta",
+           "values": "demo_values", "momentum_form": "demo_momentum_form", "rank": "powersgd_rank",
+           "compressed_after": "apmsqueeze_compressed_after", "uplink": "ef21_muon_uplink", "lowrank": "lordo_rank"}
+
+
 # One line per field for `--help` (the CLI's overrides).
 FIELD_HELP = {
     "model": "gpt (the harness's own), llama, qwen2, mistral, gpt2 (transformers, sized by the preset) or the "
@@ -150,32 +158,9 @@ FIELD_HELP = {
     "rows": "global batch: windows per step, split across workers", "steps": "optimizer steps",
     "eval_every": "steps between validation evaluations", "eval_rows": "validation windows",
     "seed": "model init and data order", "lr": "base learning rate (default: the optimizer's swept value)",
-    "topk": "DeMo: coefficients kept per chunk",
-    "chunk": "DeMo: target chunk side (64: 64x64 DCT chunks)", "alpha": "DeMo: momentum subtraction",
-    "beta": "DeMo: momentum decay", "momentum_form": "DeMo: ema (the paper's M <- bM + (1-b)g) or reference "
-    "(bloc97's M <- bM + lr*g)", "values": "DeMo: wire precision fp32|bf16|int8|sign",
-    "rank": "PowerSGD: approximation rank",
-    "compressed_after": "APMSqueeze: fraction of steps of dense Adam warmup before 1-bit momentum",
-    "uplink": "EF21-Muon: uplink compressor spec, e.g. topk:0.15+int8 or dct-topk:32+int8",
     "sync_every": "LoRDO, DiLoCo and SparseLoCo: local steps between synchronisations",
-    "lowrank": "LoRDO: projection rank (0: width / 4, at most 256)",
     "sync_delay": "diloco-delayed and sparseloco-delayed: steps each sync stays in flight before it lands, "
                   "the replicas keeping their local steps (SparseLoCo's from its eager jump; 0: sync_every, a whole interval)",
-    "sparseloco_topk": "SparseLoCo: values kept per chunk x chunk chunk, the density on every chunk "
-                       "(default 128: 3.1 %%, the paper's)",
-    "sparseloco_chunk": "SparseLoCo: target chunk side (default 64; 32 packs each index in 10 bits, not 12)",
-    "sparseloco_values": "SparseLoCo: wire format of the kept values, 2bit|8bit|int8|bf16|fp32 (default 2bit)",
-    "sparseloco_indices": "SparseLoCo: coding of the kept indices, packed|elias-fano (default packed: "
-                          "ceil(log2 E) bits each; elias-fano: each chunk's sorted, 7 bits each at 32 of 1024, lossless)",
-    "sparseloco_error_decay": "SparseLoCo: decay beta of the error feedback e <- beta e + delta, in [0, 1] "
-                              "(default 0.95, the paper's)",
-    "sparseloco_outer_lr": "SparseLoCo: outer learning rate alpha of theta0 <- theta0 - alpha mean(sent), > 0 "
-                           "(default 1, the paper's)",
-    "sparseloco_eager_scale": "sparseloco-delayed: c of the eager jump theta <- theta0 - c alpha (own message) "
-                              "when a sync leaves, a finite number >= 0 (default 1: the message's own estimate)",
-    "diloco_outer_lr": "DiLoCo: outer Nesterov learning rate, > 0 (default 0.7, the published)",
-    "diloco_outer_momentum": "DiLoCo: outer Nesterov momentum, in [0, 1) (default 0.9, the published; "
-                             "0 with --diloco-outer-lr 1: the replicas' plain average)",
     "overlap": "thinwire optimizers: leave each step's exchange in flight while the next step computes "
                "(overlap=True); refused for PowerSGD and the DDP baselines",
 }
@@ -187,7 +172,8 @@ PRESETS = {
     # topk 58 with int8 values: the sweep's best loss at >= 100x fewer bytes than fp32 AdamW
     # the reference momentum at beta 0.99: +1.1 % vs AdamW over seeds 0-2, the EMA's best (beta
     # 0.98) +3.15 % (docs/results/2026-11-23-small-demo-ema-seeds.md)
-    "small": TrainConfig(topk=58, values="int8", beta=0.99, momentum_form="reference"),
+    "small": TrainConfig(optimizer_settings=(DeMoSettings(topk=58, values="int8", beta=0.99,
+                                                          momentum_form="reference"),)),
     "base": TrainConfig(name="base", n_layer=4, n_embd=256, n_head=8, context=128, rows=64, steps=1000,
                         eval_every=50, eval_rows=512),
     # Link-bound on 2 CPU cores: 3.7M parameters, one 64-token window per worker and step, so
@@ -195,12 +181,12 @@ PRESETS = {
     # DeMo on 32x32 chunks (top 15 of 1024, about the density of top 58 of 4096): the same loss
     # there at half the DCT flops, and DeMo's compute is what its time to target is made of.
     "wan": TrainConfig(name="wan", workers=2, n_layer=2, n_embd=384, n_head=6, rows=2, steps=600,
-                       topk=15, chunk=32, values="int8"),
+                       optimizer_settings=(DeMoSettings(topk=15, chunk=32, values="int8"),)),
     # Two tiers: wan's model on 2 sites of 2 workers, one window per worker and step. HSDP
     # AdamW's gradient (14.7 MB fp32) crosses the 100 Mbit/s link between the sites each step,
     # ~1.2 s against ~0.2 s of compute (4 processes on 2 cores, FSDP2 inside each site).
     "sites": TrainConfig(name="sites", workers=4, sites=2, n_layer=2, n_embd=384, n_head=6, rows=4, steps=600,
-                         topk=15, chunk=32, values="int8"),
+                         optimizer_settings=(DeMoSettings(topk=15, chunk=32, values="int8"),)),
 }
 
 
@@ -210,69 +196,44 @@ PRESETS = {
 # 64 x 64, so the same top-k per chunk is denser. small, llama, seed 0: top 58 gives 78.7x fewer
 # bytes at +0.005 % loss vs AdamW, top 44 102.8x at +1.43 %; qwen2 keeps 58: 100.6x at +2.98 %
 # (docs/results/2026-11-24-hf-models.md).
-FAMILY_DEFAULTS = {("small", "llama"): {"topk": 44}}
-
-
-def _check_sparseloco_diloco(cfg: TrainConfig) -> None:
-    """SparseLoCo's and DiLoCo's fields, each error naming its CLI field."""
-    from ..compress.sparseloco_topk import SPARSE_VALUES
-    from ..wire.indices import INDEX_CODINGS
-    if cfg.sparseloco_chunk < 1:
-        raise ValueError(f"sparseloco_chunk must be >= 1, got {cfg.sparseloco_chunk}")
-    if not 1 <= cfg.sparseloco_topk <= cfg.sparseloco_chunk ** 2:
-        raise ValueError(f"sparseloco_topk must be in [1, sparseloco_chunk**2 = {cfg.sparseloco_chunk ** 2}], "
-                         f"got {cfg.sparseloco_topk}")
-    if cfg.sparseloco_values not in SPARSE_VALUES:
-        raise ValueError(f"sparseloco_values must be one of {', '.join(SPARSE_VALUES)}, got {cfg.sparseloco_values!r}")
-    if cfg.sparseloco_indices not in INDEX_CODINGS:
-        raise ValueError(f"sparseloco_indices must be one of {', '.join(INDEX_CODINGS)}, got {cfg.sparseloco_indices!r}")
-    if not 0.0 <= cfg.sparseloco_error_decay <= 1.0:
-        raise ValueError(f"sparseloco_error_decay must be in [0, 1], got {cfg.sparseloco_error_decay}")
-    if not cfg.sparseloco_outer_lr > 0.0:
-        raise ValueError(f"sparseloco_outer_lr must be > 0, got {cfg.sparseloco_outer_lr}")
-    if not 0.0 <= cfg.sparseloco_eager_scale < float("inf"):
-        raise ValueError(f"sparseloco_eager_scale must be a finite number >= 0, got {cfg.sparseloco_eager_scale}")
-    if not cfg.diloco_outer_lr > 0.0:
-        raise ValueError(f"diloco_outer_lr must be > 0, got {cfg.diloco_outer_lr}")
-    if not 0.0 <= cfg.diloco_outer_momentum < 1.0:
-        raise ValueError(f"diloco_outer_momentum must be in [0, 1), got {cfg.diloco_outer_momentum}")
+FAMILY_DEFAULTS = {("small", "llama"): {"demo_topk": 44}}
 
 
 def get_preset(name: str, **overrides) -> TrainConfig:
     """The preset `name` with its family's defaults (FAMILY_DEFAULTS, for overrides["model"]) and
-    the non-None `overrides` applied; ValueError for unknown names."""
+    the non-None `overrides` applied: TrainConfig fields, and optimizer settings by their flat
+    keys (demo_topk=15: train/settings.py); ValueError for unknown names and invalid values."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
-    valid = {f.name for f in fields(TrainConfig)}
-    unknown = set(overrides) - valid
+    plain = {f.name for f in fields(TrainConfig)} - {"optimizer_settings"}
+    given = {**FAMILY_DEFAULTS.get((name, overrides.get("model")), {}),
+             **{k: v for k, v in overrides.items() if v is not None}}
+    unknown = set(given) - plain - set(flat_fields())
     if unknown:
         raise ValueError(f"unknown config fields: {sorted(unknown)}")
-    family = FAMILY_DEFAULTS.get((name, overrides.get("model")), {})
-    cfg = replace(PRESETS[name], **{**family, **{k: v for k, v in overrides.items() if v is not None}})
-    for key in ("workers", "n_layer", "n_embd", "n_head", "context", "rows", "steps", "eval_every", "eval_rows",
-                "topk", "chunk"):
+    cfg = replace(PRESETS[name], **{k: v for k, v in given.items() if k in plain})
+    cfg = cfg.with_settings(**{k: v for k, v in given.items() if k not in plain})
+    _check(cfg)
+    return cfg
+
+
+def _check(cfg: TrainConfig) -> None:
+    """ValueError naming the first invalid field (an optimizer's settings: their own `check`)."""
+    for key in ("workers", "n_layer", "n_embd", "n_head", "context", "rows", "steps", "eval_every", "eval_rows"):
         if getattr(cfg, key) < 1:
             raise ValueError(f"{key} must be >= 1, got {getattr(cfg, key)}")
-    if cfg.momentum_form not in ("ema", "reference"):
-        raise ValueError(f"momentum_form must be ema or reference, got {cfg.momentum_form!r}")
-    if cfg.values not in ("fp32", "bf16", "int8", "sign"):
-        raise ValueError(f"values must be one of fp32, bf16, int8, sign, got {cfg.values!r}")
-    from ..compress.spec import parse_compressor
-    parse_compressor(cfg.uplink, "uplink")                 # ValueError naming the bad spec
-    _check_sparseloco_diloco(cfg)
-    if not 0.0 <= cfg.compressed_after <= 1.0:
-        raise ValueError(f"compressed_after must be in [0, 1], got {cfg.compressed_after}")
+    for cls in Settings.KNOWN.values():
+        cfg.settings(cls).check()
     if not 0 <= cfg.sync_delay <= cfg.sync_every:
         raise ValueError(f"sync_delay must be in [0, sync_every = {cfg.sync_every}], got {cfg.sync_delay}")
-    if cfg.sync_every < 1 or cfg.lowrank < 0:
-        raise ValueError(f"sync_every must be >= 1 and lowrank >= 0, got {cfg.sync_every}, {cfg.lowrank}")
+    if cfg.sync_every < 1:
+        raise ValueError(f"sync_every must be >= 1, got {cfg.sync_every}")
     if cfg.sites < 0:
         raise ValueError(f"sites must be >= 0 (0: flat), got {cfg.sites}")
     if cfg.init_from and cfg.model == "gpt":
         raise ValueError("--init-from loads transformers weights: give --model (a family or a config.json) too")
     if cfg.n_embd % cfg.n_head:
         raise ValueError(f"n_embd ({cfg.n_embd}) must be a multiple of n_head ({cfg.n_head})")
-    return cfg
 
 
 def check_sites(sites: int, workers: int) -> None:

@@ -47,9 +47,11 @@ from typing import Callable
 import torch
 
 from ..comm import CommStats
-from ..optim import APMSqueeze, DeMo, DenseAllReduce, DiLoCo, EF21Muon, LoRDO, SparseLoCo
+from ..optim import APMSqueeze, DeMo, DenseAllReduce, DiLoCo, EF21Muon, LoRDO, SignDeMo, SparseLoCo
 from ..optim.apmsqueeze import MIN_WARMUP_STEPS
 from .model import hidden_matrices
+from .settings import (APMSqueezeSettings, DeMoSettings, DiLoCoSettings, EF21MuonSettings, LoRDOSettings,
+                       PowerSGDSettings, Settings, SignDeMoSettings, SparseLoCoSettings)
 
 
 @dataclass
@@ -86,6 +88,7 @@ class OptimizerSpec:
     why_no_checkpoint: str = ""            # a checkpoint would not hold all its state (train refuses)
     # cfg -> a sentence saying why this optimizer cannot run that configuration ("": it can)
     why_not_config: Callable[[object], str] | None = None
+    settings: type[Settings] | None = None  # its own settings (train/settings.py): flags --<PREFIX>-<field>
 
     @property
     def can_overlap(self) -> bool:
@@ -163,22 +166,30 @@ def _muon(model, cfg, lr, group=None):
 
 
 def _demo(model, cfg, lr, group=None, lookahead: str = "none"):
-    return _wrap(DeMo(model.parameters(), lr=lr, topk=cfg.topk, chunk=cfg.chunk, alpha=cfg.alpha,
-                      beta=cfg.beta, values=cfg.values, momentum_form=cfg.momentum_form, weight_decay=0.0,
-                      process_group=group, overlap=_ov(cfg) or lookahead != "none", lookahead=lookahead), model)
+    s = cfg.settings(DeMoSettings)
+    return _wrap(DeMo(model.parameters(), lr=lr, topk=s.topk, chunk=s.chunk, alpha=s.alpha, beta=s.beta,
+                      values=s.values, momentum_form=s.momentum_form, weight_decay=0.0, process_group=group,
+                      overlap=_ov(cfg) or lookahead != "none", lookahead=lookahead), model)
+
+
+def _sign_demo(model, cfg, lr, group=None):
+    s = cfg.settings(SignDeMoSettings)
+    return _wrap(SignDeMo(model.parameters(), lr=lr, topk=s.topk, chunk=s.chunk, beta=s.beta, process_group=group,
+                          overlap=_ov(cfg)), model)
 
 
 def _apmsqueeze_warmup(cfg) -> int:
-    return round(cfg.compressed_after * cfg.steps)
+    return round(cfg.settings(APMSqueezeSettings).compressed_after * cfg.steps)
 
 
 def _apmsqueeze_short_warmup(cfg) -> str:
     warmup = _apmsqueeze_warmup(cfg)
     if warmup >= MIN_WARMUP_STEPS:
         return ""
-    return (f"--compressed-after {cfg.compressed_after} of {cfg.steps} steps gives APMSqueeze {warmup} dense "
+    fraction = cfg.settings(APMSqueezeSettings).compressed_after
+    return (f"--apmsqueeze-compressed-after {fraction} of {cfg.steps} steps gives APMSqueeze {warmup} dense "
             f"warmup step(s); it needs at least {MIN_WARMUP_STEPS} (its 1-bit phase divides by the v those "
-            f"steps estimate): raise --compressed-after to {MIN_WARMUP_STEPS / cfg.steps:.3g} or more")
+            f"steps estimate): raise --apmsqueeze-compressed-after to {MIN_WARMUP_STEPS / cfg.steps:.3g} or more")
 
 
 def _apmsqueeze(model, cfg, lr, group=None):
@@ -204,7 +215,7 @@ def _ef21_muon(model, cfg, lr, group=None):
     groups = [{"params": matrices, "lmo": "spectral"},
               {"params": embeddings, "lmo": "sign", "lr": lr * EF21_VECTOR_LR},
               {"params": gains, "lmo": "rms", "lr": lr * EF21_VECTOR_LR}]
-    opt = EF21Muon([g for g in groups if g["params"]], lr=lr, beta=EF21_BETA, weight_decay=0.1, uplink=cfg.uplink,
+    opt = EF21Muon([g for g in groups if g["params"]], lr=lr, beta=EF21_BETA, weight_decay=0.1, uplink=cfg.settings(EF21MuonSettings).uplink,
                    downlink="identity", topology="replicated", process_group=group, overlap=_ov(cfg))
     return _wrap(opt, model)
 
@@ -216,7 +227,7 @@ LORDO_CLIP = 0.25
 
 def _lordo(model, cfg, lr, group=None):
     matrices, rest = hidden_matrices(model)
-    rank = cfg.lowrank or min(256, max(1, cfg.n_embd // 4))
+    rank = cfg.settings(LoRDOSettings).rank or min(256, max(1, cfg.n_embd // 4))
     groups = [{"params": matrices, "low_rank": True}, {"params": rest, "low_rank": False}]
     return _wrap(LoRDO(groups, lr=lr, rank=rank, sync_every=cfg.sync_every, clip=LORDO_CLIP, betas=(0.9, 0.95),
                        weight_decay=0.1, process_group=group, overlap=_ov(cfg)), model, replicas_drift=True)
@@ -228,9 +239,9 @@ def _delay(cfg, delayed: bool) -> dict:
 
 
 def _diloco(model, cfg, lr, group=None, delayed: bool = False):
-    inner = lambda ps: torch_adamw(ps, cfg, lr)  # noqa: E731
+    inner, s = lambda ps: torch_adamw(ps, cfg, lr), cfg.settings(DiLoCoSettings)  # noqa: E731
     return _wrap(DiLoCo(model.parameters(), inner=inner, sync_every=cfg.sync_every, process_group=group,
-                        outer_lr=cfg.diloco_outer_lr, outer_momentum=cfg.diloco_outer_momentum,
+                        outer_lr=s.outer_lr, outer_momentum=s.outer_momentum,
                         **_delay(cfg, delayed)), model, replicas_drift=True)
 
 
@@ -242,17 +253,16 @@ def _sparseloco(model, cfg, lr, group=None, delayed: bool = False):
     with DiLoCo at the same sync interval. The tiny preset's matrices are [256|192|64|32, 64] and
     [64, 256]: 64 x 64 chunks (wpe's 32 x 64 keeps 64, a norm's 64 keeps 2), the same 3.1 %
     everywhere."""
-    inner = lambda ps: torch_adamw(ps, cfg, lr)  # noqa: E731
+    inner, s = lambda ps: torch_adamw(ps, cfg, lr), cfg.settings(SparseLoCoSettings)  # noqa: E731
     return _wrap(SparseLoCo(model.parameters(), inner=inner, sync_every=cfg.sync_every, process_group=group,
-                            topk=cfg.sparseloco_topk, chunk=cfg.sparseloco_chunk, values=cfg.sparseloco_values,
-                            indices=cfg.sparseloco_indices, error_decay=cfg.sparseloco_error_decay, outer_lr=cfg.sparseloco_outer_lr,
-                            eager_scale=cfg.sparseloco_eager_scale, **_delay(cfg, delayed)), model,
-                 replicas_drift=True)
+                            topk=s.topk, chunk=s.chunk, values=s.values, indices=s.indices,
+                            error_decay=s.error_decay, outer_lr=s.outer_lr, eager_scale=s.eager_scale,
+                            **_delay(cfg, delayed)), model, replicas_drift=True)
 
 
 def _powersgd(model, cfg, lr, group=None):
     from .powersgd import ddp_powersgd
-    ddp, stats = ddp_powersgd(model, rank=cfg.rank)
+    ddp, stats = ddp_powersgd(model, rank=cfg.settings(PowerSGDSettings).rank)
     opt = torch.optim.AdamW(ddp.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     return Built(opt, ddp, stats, counts_itself=False)
 
@@ -287,28 +297,34 @@ register(OptimizerSpec("muon", _muon, {"tiny": 3e-3, "small": 1e-2, "base": 1e-2
 register(OptimizerSpec(
     "powersgd", _powersgd, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 3e-4, "sites": 3e-4},
     description="PyTorch DDP PowerSGD hook (rank 4) + AdamW",
+    settings=PowerSGDSettings,
     why_no_overlap="powersgd cannot overlap (PyTorch's PowerSGD hook runs inside backward and the harness waits on it)",
     why_no_shards="powersgd is PyTorch's DDP communication hook, which all-reduces whole gradients of an unsharded "
                   "model; it cannot run on FSDP2 shards",
     why_no_checkpoint="powersgd cannot be checkpointed: PyTorch's DDP hook keeps its error feedback outside the "
                       "optimizer, where no checkpoint reaches it"))
 register(OptimizerSpec("demo", _demo, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 4e-4, "sites": 4e-4},
-                       description="DeMo (DCT top-k, signum)", on_shards=True))
+                       description="DeMo (DCT top-k, signum)", on_shards=True, settings=DeMoSettings))
+# SignDeMo: DeMo's rates, unswept (its update is DeMo's signum step)
+register(OptimizerSpec("sign-demo", _sign_demo, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 4e-4, "sites": 4e-4},
+                       description="SignDeMo (DCT top-4 of 64x64, 1 sign bit each, no scale: Psyche's DeMo)",
+                       on_shards=True, settings=SignDeMoSettings))
 register(OptimizerSpec("apmsqueeze", _apmsqueeze, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3},
                        description="APMSqueeze (Adam warmup, then 1-bit momentum)", counterpart="adam", on_shards=True,
-                       why_not_config=_apmsqueeze_short_warmup))
+                       why_not_config=_apmsqueeze_short_warmup, settings=APMSqueezeSettings))
 register(OptimizerSpec("ef21-muon", _ef21_muon, {"tiny": 1e-2, "small": 1.2e-1, "base": 1.2e-1},
                        description="EF21-Muon (replicated, beta 0.3, uplink top-44% int8)", counterpart="muon",
-                       on_shards=True))
+                       on_shards=True, settings=EF21MuonSettings))
 register(OptimizerSpec("lordo", _lordo, {"tiny": 3e-3, "small": 5e-3, "base": 5e-3},
-                       description="LoRDO (low-rank Adam, sync every 32)", on_shards=True))
+                       description="LoRDO (low-rank Adam, sync every 32)", on_shards=True, settings=LoRDOSettings))
 register(OptimizerSpec("diloco", _diloco, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3},
-                       description="DiLoCo (AdamW inner, Nesterov outer, sync every 32)", on_shards=True))
+                       description="DiLoCo (AdamW inner, Nesterov outer, sync every 32)", on_shards=True,
+                       settings=DiLoCoSettings))
 # DiLoCo's inner rates, unswept; wan swept at --sync-every 8 (val loss at 600 steps): 6e-4 2.4098,
 # 1e-3 2.4427, 1.5e-3 2.5247 (docs/results/2026-11-24-sparseloco-wan.md)
 register(OptimizerSpec("sparseloco", _sparseloco, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 6e-4},
                        description="SparseLoCo (AdamW inner, top-128/4096 2-bit error feedback, sync every 32)",
-                       on_shards=True))
+                       on_shards=True, settings=SparseLoCoSettings))
 
 
 def _overlap_variant(base: OptimizerSpec) -> OptimizerSpec:
@@ -318,7 +334,7 @@ def _overlap_variant(base: OptimizerSpec) -> OptimizerSpec:
     return OptimizerSpec(f"{base.name}-overlap", build, dict(base.default_lr), dense=False,
                          description=f"{base.description}, overlap=True (exchange in flight during the next step)",
                          counterpart=base.counterpart, on_shards=base.on_shards, overlap=True,
-                         why_not_config=base.why_not_config)
+                         why_not_config=base.why_not_config, settings=base.settings)
 
 
 for _name in ("demo", "ef21-muon", "apmsqueeze", "lordo", "diloco", "sparseloco"):
@@ -327,11 +343,12 @@ for _name, _factory in (("diloco", _diloco), ("sparseloco", _sparseloco)):
     register(OptimizerSpec(f"{_name}-delayed", partial(_factory, delayed=True), dict(OPTIMIZERS[_name].default_lr),
                            description=f"{OPTIMIZERS[_name].description}, overlap=True, delay=H (each sync in flight "
                                        "for a whole interval; replicas keep their local steps)",
-                           on_shards=True, overlap=True))
+                           on_shards=True, overlap=True, settings=OPTIMIZERS[_name].settings))
 # wan, lookahead swept (val loss at 600 steps): 3e-4 2.3995, 4e-4 (DeMo's) 2.4193, 5e-4 2.4884: a
 # gradient taken at an estimate of the parameters tolerates a little less step than an exact one
 register(OptimizerSpec("demo-lookahead", partial(_demo, lookahead="momentum"),
                        {**OPTIMIZERS["demo"].default_lr, "wan": 3e-4},
                        description=f"{OPTIMIZERS['demo'].description}, overlap=True, lookahead='momentum' (each "
                                    "gradient taken where this rank's momentum moves the parameters: Psyche's correction)",
-                       counterpart=OPTIMIZERS["demo"].counterpart, on_shards=True, overlap=True))
+                       counterpart=OPTIMIZERS["demo"].counterpart, on_shards=True, overlap=True,
+                       settings=DeMoSettings))

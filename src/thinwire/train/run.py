@@ -191,7 +191,7 @@ def report(cfg: TrainConfig, logs: dict[str, dict], workers: int, out: Path, lat
     for name in optimizers:
         row = summarize(name, logs[name], target, latency_s, link_info)
         spec = OPTIMIZERS.get(name)
-        row.update(lr=logs[name].get("lr"), workers=workers, preset=cfg.name, config=cfg.__dict__.copy(),
+        row.update(lr=logs[name].get("lr"), workers=workers, preset=cfg.name, config=cfg.record(),
                    counterpart=spec.counterpart if spec else None,
                    overlap=bool(spec and (spec.overlap or (cfg.overlap and spec.can_overlap))))
         rows.append(row)

@@ -29,13 +29,13 @@ little-endian.
 
 from .bits import index_width, pack_bits, pack_flags, pack_signs, packed_nbytes, unpack_bits, unpack_flags, unpack_signs
 from .indices import INDEX_CODINGS, EliasFanoIndices, PackedIndices, index_coding
-from .values import (CODEC_NAMES, FP16_MAX, VALUE_FORMATS, FloatCodec, Int8Codec, SignCodec, ValueCodec,
+from .values import (CODEC_NAMES, FP16_MAX, VALUE_FORMATS, FloatCodec, Int8Codec, SignBitCodec, SignCodec, ValueCodec,
                      ValueFormat, get_codec)
 from .twobit import TwoBitCodec
 from .eightbit import EightBitCodec
 
 __all__ = [
-    "CODEC_NAMES", "EightBitCodec", "FP16_MAX", "FloatCodec", "Int8Codec", "SignCodec", "TwoBitCodec", "VALUE_FORMATS",
+    "CODEC_NAMES", "EightBitCodec", "FP16_MAX", "FloatCodec", "Int8Codec", "SignBitCodec", "SignCodec", "TwoBitCodec", "VALUE_FORMATS",
     "ValueCodec", "ValueFormat", "get_codec",
     "INDEX_CODINGS", "EliasFanoIndices", "PackedIndices", "index_coding",
     "index_width", "pack_bits", "pack_flags", "pack_signs", "packed_nbytes", "unpack_bits", "unpack_flags",

@@ -8,6 +8,8 @@ Every number on the wire is little-endian; values are row-major. Layouts:
     fp16  rows*cols float16; finite values beyond +-65504 saturate to +-65504
     int8  rows float32 scales, then rows*cols int8
     sign  rows float32 scales, then packed_nbytes(rows*cols, 1) bytes of sign bits
+    signbit  packed_nbytes(rows*cols, 1) bytes of sign bits, no scale: decoded as +1 or -1
+          (Psyche's DeMo messages; a NaN codes as -1, so the sender checks finiteness first)
     2bit  rows*4 float32 levels, then packed_nbytes(rows*cols, 2) bytes of 2-bit codes
           (SparseLoCo's statistical quantizer: `thinwire.wire.twobit`)
     8bit  rows*256 float32 levels, then rows*cols bytes of codes
@@ -15,7 +17,8 @@ Every number on the wire is little-endian; values are row-major. Layouts:
 Codecs accept any floating input dtype and compute in float32; decode returns float32.
 A row holding NaN or inf always decodes to non-finite values (fp16 saturates only finite
 values; int8 and sign rows get a non-finite scale, 2bit and 8bit rows non-finite levels), so a
-receiver-side finiteness check catches it.
+receiver-side finiteness check catches it; except signbit, whose one bit per value cannot (its
+sender checks its values' finiteness before it encodes).
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ VALUE_FORMATS = MappingProxyType({
                         "float16; finite values saturate at +-65504 (eps holds in the normal range)"),
     "int8": ValueFormat(8, True, 1, False, None, True, "float32 absmax scale per row, then int8 values"),
     "sign": ValueFormat(1, True, 1, False, None, True, "float32 mean|x| scale per row, then 1 sign bit per value"),
+    "signbit": ValueFormat(1, False, 0, False, None, True,
+                           "1 sign bit per value and no scale: decoded as +1 or -1 (zero codes as +1; Psyche's)"),
     "2bit": ValueFormat(2, True, 4, False, None, True,
                         "4 float32 levels per row (SparseLoCo's statistical quantizer: the means of the values "
                         "in 4 bins 1.5 sigma wide), then a 2-bit code per value"),
@@ -180,6 +185,24 @@ class SignCodec(ValueCodec):
         return f"SignCodec(scale={self.scale!r})"
 
 
+class SignBitCodec(ValueCodec):
+    """One bit per value and nothing else: `pack_signs` of the row-major values (bit 1 for
+    x >= 0, so zero codes as +1; 0 for x < 0 or NaN), decoded as +1.0 or -1.0. The magnitude
+    stays with the sender: only an algorithm that keeps it there (`thinwire.SignDeMo`) or
+    needs none can use it, and a non-finite value cannot be told from -1 on the wire."""
+
+    name = "signbit"
+
+    def nbytes(self, rows: int, cols: int) -> int:
+        return packed_nbytes(_dim("rows", rows) * _dim("cols", cols), 1)
+
+    def _encode(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        pack_signs(x, out=out)
+
+    def _decode(self, buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        return unpack_signs(buf, rows * cols).view(rows, cols)
+
+
 def get_codec(name: str) -> ValueCodec:
     """A new codec for the wire precision `name`, one of CODEC_NAMES ('sign' uses mean_abs)."""
     if name == "fp32":
@@ -192,6 +215,8 @@ def get_codec(name: str) -> ValueCodec:
         return Int8Codec()
     if name == "sign":
         return SignCodec()
+    if name == "signbit":
+        return SignBitCodec()
     if name == "2bit":
         return TwoBitCodec()
     if name == "8bit":
