@@ -32,7 +32,7 @@ WORLDS = [1, 3]
 
 NAN_CASES = {   # name: (wire, nonfinite, step whose gradient is NaN on the last rank; K = 2: step 1 syncs)
     "fp32-sync": ("fp32", "raise", 1), "int8-sync": ("int8", "raise", 1), "fp32-carried": ("fp32", "raise", 0),
-    "int8-skip-sync": ("int8", "skip", 1),
+    "int8-skip-sync": ("int8", "skip", 1), "fp32-skip-sync": ("fp32", "skip", 1), "fp32-skip-local": ("fp32", "skip", 0),
 }
 
 
@@ -158,15 +158,28 @@ def test_nonfinite_raises_on_every_rank_at_the_sync(outcome, case):
     assert all(torch.equal(r["nan"][case]["final"], results[0]["nan"][case]["final"]) for r in results)
 
 
-def test_nonfinite_skip_at_the_sync_keeps_going_and_the_next_sync_joins_the_replicas(outcome):
+@pytest.mark.parametrize("case", ["int8-skip-sync", "fp32-skip-sync"])
+def test_nonfinite_skip_at_the_sync_keeps_going_and_the_next_sync_joins_the_replicas(outcome, case):
+    """int8: the sync read on the host; fp32: landed under the device's verdict (no host read)."""
     _, results = outcome
     for r in results:
-        case = r["nan"]["int8-skip-sync"]
-        assert case["statuses"] == ["ok"] * 4
-        assert torch.equal(case["final"], results[0]["nan"]["int8-skip-sync"]["final"])
+        got = r["nan"][case]
+        assert got["statuses"] == ["ok"] * 4
+        assert torch.equal(got["final"], results[0]["nan"][case]["final"])
         # the sync was not made: anchor and error feedback as before it
-        assert torch.equal(case["after_first_sync"]["anchor"], case["initial"])
-        assert not case["after_first_sync"]["sync_error"].any()
+        assert torch.equal(got["after_first_sync"]["anchor"], got["initial"])
+        assert not got["after_first_sync"].get("sync_error", torch.zeros(1)).any()
+
+
+def test_nonfinite_skip_at_a_local_step_skips_it_on_that_rank_only(outcome):
+    """The bad rank's local step moves nothing (on the device); the sync goes through and
+    joins the replicas."""
+    _, results = outcome
+    for r in results:
+        got = r["nan"]["fp32-skip-local"]
+        assert got["statuses"] == ["ok"] * 4
+        assert torch.equal(got["final"], results[0]["nan"]["fp32-skip-local"]["final"])
+        assert not torch.equal(got["after_first_sync"]["anchor"], got["initial"])
 
 
 # ---- in-process properties ---------------------------------------------------------------

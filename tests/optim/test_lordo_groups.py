@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 import torch
 
 from thinwire.optim.lordo import LoRDO
@@ -38,8 +39,8 @@ def _grads(step: int, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
     return grads
 
 
-def _build(groups) -> LoRDO:
-    return LoRDO([{"params": ps, **extra} for ps, (_, extra) in zip(groups, GROUPS)], sync_every=K, **BASE)
+def _build(groups, **options) -> LoRDO:
+    return LoRDO([{"params": ps, **extra} for ps, (_, extra) in zip(groups, GROUPS)], sync_every=K, **BASE, **options)
 
 
 def _run(opt: LoRDO, flat: list[torch.nn.Parameter], steps: range) -> None:
@@ -109,12 +110,13 @@ def _refresh(s: dict, delta: torch.Tensor, rank: int) -> None:
     s["u"], s["v"], s["Q"] = s["u"] @ c, s["v"] @ (c * c), q_new
 
 
-def _trained(grouped: bool = True, dtype=torch.float32) -> tuple[LoRDO, list[torch.nn.Parameter]]:
+def _trained(grouped: bool = True, dtype=torch.float32, steps: int = STEPS,
+             **options) -> tuple[LoRDO, list[torch.nn.Parameter]]:
     groups = _params(dtype)
-    opt = _build(groups)
+    opt = _build(groups, **options)
     opt.grouped = grouped
     flat = [p for ps in groups for p in ps]
-    _run(opt, flat, range(STEPS))
+    _run(opt, flat, range(steps))
     return opt, flat
 
 
@@ -165,3 +167,48 @@ def test_a_checkpoint_mid_interval_resumes_bit_identically():
         assert torch.equal(p, twin)
         for key, value in opt.state[p].items():
             assert torch.equal(torch.as_tensor(fresh.state[twin][key]), torch.as_tensor(value)), key
+
+
+def _states(opt: LoRDO, flat: list[torch.nn.Parameter]) -> list:
+    """Every parameter and state value (the step counts settled: `state_dict` reads the flags)."""
+    opt.state_dict()
+    return [(p.detach().clone(), {k: torch.as_tensor(v).clone() for k, v in opt.state[p].items()}) for p in flat]
+
+
+def _assert_same(a: list, b: list) -> None:
+    for (p, state), (q, other) in zip(a, b):
+        assert torch.equal(p, q) and state.keys() == other.keys()
+        assert all(torch.equal(state[k], other[k]) for k in state), [k for k in state if not torch.equal(state[k], other[k])]
+
+
+@pytest.mark.parametrize("every", [True, False], ids=["all-nan", "every-other"])
+@pytest.mark.parametrize("grouped", [True, False], ids=["stacked", "per-tensor"])
+def test_skip_a_nonfinite_local_step_is_a_step_without_gradients(grouped, every):
+    """nonfinite='skip' at one rank: a NaN gradient's local step runs under the device's flag and
+    moves nothing; its step counts are taken back at the next call, so the run goes on bit for
+    bit as one whose step had no gradient at all (the syncs at steps 3, 6 and 9 included).
+    every-other: the others have none, so their stacks go one tensor at a time that step."""
+    runs = []
+    for nan in (True, False):
+        opt, flat = _trained(grouped, steps=4, nonfinite="skip")
+        for i, p in enumerate(flat):
+            p.grad = torch.full(p.shape, float("nan")) if nan and (every or i % 2) else None
+        opt.step()                                                  # step 5: a local step
+        _run(opt, flat, range(5, STEPS))
+        runs.append(_states(opt, flat))
+        assert opt.skipped_steps == []                              # one rank's local skip: no step of all
+    _assert_same(*runs)
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["stacked", "per-tensor"])
+def test_skip_a_nonfinite_sync_moves_nothing(grouped):
+    """A NaN at a sync (fp32: landed under the device's verdict): parameters, anchors, bases,
+    moments and counts all as before that step; the skip is reported at the next call."""
+    opt, flat = _trained(grouped, steps=5, nonfinite="skip")
+    before = _states(opt, flat)
+    for p in flat:
+        p.grad = torch.ones_like(p)
+    flat[0].grad[0, 0] = float("inf")
+    opt.step()                                                      # step 6: a sync
+    assert opt.skipped_steps == [6]
+    _assert_same(_states(opt, flat), before)

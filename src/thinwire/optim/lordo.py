@@ -42,15 +42,24 @@ What a step costs a GPU (issue 47; docs/design.md, "What a step costs a GPU"): t
 of one param group, shape and dtype form a stack (`thinwire.optim.lordo_groups`) and each line
 above runs once per stack (one stack of the gradients, batched norms, `bmm`, `_foreach_*` on
 the parameters) or, where it is elementwise (decay, u, v, D), once over every stack, so a
-local step launches as many kernels at 100 tensors as at 28; nothing in it is read on the
-host (the clip's scale and mean(D) stay on the device): what is left is the envelope's one
-check of this rank's gradients. A sync refreshes each stack's bases with one
-batched SVD (on a GPU its own synchronisation, once per stack instead of once per matrix).
-`thinwire.audit.StepAudit` at world 2 (GPT-2 shapes of width 16 at 2 / 8 blocks, rank 4, K 4,
-tests/optim/test_lordo_audit.py): a local step made 364 / 1,276 launches and 12 / 36 host
-reads, now 96 and 1 at both; the sync step 441 / 1,521 and 13 / 37, now 141 and 2 (the
-envelope's check and its read of the delivery). Same equations; the batched norms, means,
-GEMMs and SVDs may sum in another order than one matrix at a time (float rounding), the clip
+local step launches as many kernels at 100 tensors as at 28. Nothing is read on the host:
+the clip's scale and mean(D) stay on the device, and a local step runs under this rank's
+non-finite flag (`_masks_nonfinite`), where set taking Ĝ and ĝ as zeros, the decay as 1, u's
+lerp to u and v's factor as 1, the update terms as zeros, so nothing moves; t (1 − βᵗ is a
+host float) is counted at once and taken back when the flag's copy, made without waiting, is
+read at the next call (`_defer_counts`): every t is the unmasked step's. With
+nonfinite='raise' the sync reads the host once (the envelope's check of the delivery, every
+rank's flags in it); with 'skip' the fp32 sync lands under the device's verdict
+(`thinwire.optim.verdict`), the bases' refresh with it. A sync refreshes each stack's bases
+with one batched SVD (on a GPU its own synchronisation, which the audit does not see, once
+per stack instead of once per matrix). `thinwire.audit.StepAudit` at world 2 (GPT-2 shapes of
+width 16 at 2 / 8 blocks, rank 4, K 4, tests/optim/test_lordo_audit.py): a local step made
+364 / 1,276 launches and 12 / 36 host reads one matrix at a time, 96 and 1 stacked, now 130
+and 0 at both (131 from the second local step with 'raise': the carried flag's OR); the sync
+step 441 / 1,521 and 13 / 37, then 141 and 2, now 176 and 1 ('raise') or 187 and 0 ('skip').
+The masks cost those 34 launches, no read, and change no number where the flag is not set
+(bit for bit on CPU, stacked and per-tensor). Same equations; the batched norms, means, GEMMs
+and SVDs may sum in another order than one matrix at a time (float rounding), the clip
 divides by max(1, ‖G‖_F / ρ) rather than multiply by min(1, ρ / ‖G‖_F), and the full-rank term
 adds Ĝ · (−η (1−ω) / mean(D)) (the same numbers up to rounding). tests/optim/test_lordo.py
 and test_lordo_groups.py (stacks of several parameters) hold LoRDO to independent per-matrix
@@ -74,9 +83,10 @@ from ..ops import lowrank
 from .base import Member
 from .elastic_rules import PER_RANK, PERIODIC, REPLICATED
 from .lordo_groups import Stacks, refresh_stack_, signature, step_stacks_
-from .lordo_tensor import refresh_basis_, step_each_, whole_shape
+from .lordo_tensor import refresh_basis_, site_flag, step_each_, whole_shape
 from .periodic import PeriodicAveraging, Slot
 from .shards import row_range, site_rank, site_size
+from .verdict import PendingVerdicts
 
 
 def _check_group(g: dict) -> None:
@@ -118,7 +128,8 @@ class LoRDO(PeriodicAveraging):
         outer_lr, outer_momentum: optional Nesterov outer step on the averaged delta;
             the defaults 1.0 and 0.0 are plain averaging.
         nonfinite: 'raise' (default) or 'skip' when any rank's gradients are not finite
-            (see `thinwire.optim.periodic`).
+            (see `thinwire.optim.periodic`); a rank's own skipped local step is masked on the
+            device, and with 'skip' an fp32 sync too: no host read (module docstring).
         overlap: True leaves each sync's exchange in flight until the next step(), which
             applies it before its local step (`thinwire.optim.periodic`, "Overlap").
     Initial parameters must be identical on all ranks (as with DDP's broadcast).
@@ -143,6 +154,10 @@ class LoRDO(PeriodicAveraging):
         self.grouped = True                       # False: every parameter on the per-tensor path
         self._stacks: tuple | None = None         # (layout key, `Stacks`), kept while the layout stays
         self._synced: dict | None = None          # inside `_apply`: id(parameter) -> its Δ̄
+        # masked local steps' flags, read a call later to take their counts back; host buffers
+        # shared with the envelope's verdicts, where `thinwire.audit` finds them
+        self._counts = PendingVerdicts()
+        self._counts.buffers = self._verdicts.buffers
 
     def add_param_group(self, param_group: dict) -> None:
         _check_group({**self.defaults, **param_group})
@@ -206,10 +221,21 @@ class LoRDO(PeriodicAveraging):
             stack.adopt([states[i] for i in stack.members])
         return stacks
 
+    def _masks_nonfinite(self, layout: list[Member]) -> bool:
+        """A local step runs under this rank's flag (`gradients_nonfinite`): where it is set
+        nothing keeps a value it changed (`step_stacks_`, `step_each_`), read by no one."""
+        return True
+
+    def _applies_masked(self, layout: list[Member]) -> bool:
+        """The fp32 sync (delay 1) lands under the device's verdict, the bases' refresh too."""
+        return self.codec is None and self.delay == 1
+
     def _local_step(self, step: int, layout: list[Member]) -> None:
         """Every stack in one step when all its members have a gradient and one step count;
         the other parameters (and such a stack's, this step) one at a time."""
-        stacks, rest, work = self._grouping(layout), [], []
+        self._counts.judge()                  # the counts of an earlier skipped local step taken back
+        stacks, rest, work, counted = self._grouping(layout), [], [], []
+        skip = site_flag(layout, self.gradients_nonfinite)
         for stack in stacks.stacks:
             params = [layout[i].param for i in stack.members]
             states = [self.state[layout[i].key] for i in stack.members]
@@ -219,24 +245,48 @@ class LoRDO(PeriodicAveraging):
                 continue
             for state in states:
                 state["step"] += 1
+            counted += states
             work.append((stack, params, counts.pop() + 1))
-        step_stacks_(work)
-        step_each_(self.state.__getitem__, [layout[i] for i in sorted(stacks.rest + rest)])
+        step_stacks_(work, skip)
+        counted += step_each_(self.state.__getitem__, [layout[i] for i in sorted(stacks.rest + rest)], skip)
+        if skip is not None and counted:
+            self._defer_counts(step, counted, skip)
+
+    def _defer_counts(self, step: int, counted: list[dict], skip: torch.Tensor) -> None:
+        """The host counted this masked step for `counted` (t of Adam's 1 − βᵗ, a host float);
+        where `skip` was set the step moved nothing, and its count is taken back when the flag,
+        copied to the host unwaited, is read: at the next step() or local step, before any t
+        is used again, so every t is the one an unmasked step would have used."""
+        def judge(values: list) -> tuple[list, list]:
+            if values[0]:
+                for state in counted:
+                    state["step"] -= 1
+            return [], []                     # a rank's own local skip: not a skipped step of all ranks
+        self._counts.push(step, skip.view(1), judge)
+
+    def state_dict(self):
+        self._counts.judge()                  # counts of skipped local steps taken back first
+        return super().state_dict()
+
+    def _drain(self) -> None:
+        self._counts.clear()                  # a load replaces the states they would correct
+        super()._drain()
 
     def _apply(self, step: int, layout: list[Member], delivery, skip: torch.Tensor | None = None) -> None:
         """The sync (`PeriodicAveraging._apply`), then the bases refreshed from the Δ̄ that
-        `_after_sync` set aside: each stack's in one batch, the others one at a time."""
+        `_after_sync` set aside: each stack's in one batch, the others one at a time (where
+        `skip` is set, from `_apply_masked`: none)."""
         self._synced = {}
         try:
             super()._apply(step, layout, delivery, skip)
             stacks = self._grouping(layout)
             for stack in stacks.stacks:
                 if stack.low_rank:
-                    refresh_stack_(stack, [self._synced[id(layout[i].key)] for i in stack.members])
+                    refresh_stack_(stack, [self._synced[id(layout[i].key)] for i in stack.members], skip)
             for i in stacks.rest:
                 m = layout[i]
                 if "Q" in self.state[m.key]:
-                    refresh_basis_(self.state[m.key], self._synced[id(m.key)].view(m.param.shape[0], -1), m.key)
+                    refresh_basis_(self.state[m.key], self._synced[id(m.key)].view(m.param.shape[0], -1), m.key, skip)
         finally:
             self._synced = None
 

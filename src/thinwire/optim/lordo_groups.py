@@ -21,7 +21,9 @@ others (FSDP2 shards, float64, strided parameters) take the per-tensor path; so,
 step, does a stack whose members do not all have a gradient or a common step count.
 
 A GPU step's launches then grow with the number of stacks (distinct shapes), not tensors,
-and read nothing on the host: ‖G‖_F, the clip's scale and mean(D) stay on the device.
+and read nothing on the host: ‖G‖_F, the clip's scale and mean(D) stay on the device, and a
+step under a skip flag (this rank's gradients not finite, `step_stacks_`; a sync's verdict,
+`refresh_stack_`) keeps every value where it is set with masks and `torch.where`, unread.
 Arithmetic: the equations' own, line by line as the per-tensor path computes them (the same
 `_foreach_*` formulas as `ops.adam_moments_` / `ops.adam_denominator`); a batched norm, mean
 or GEMM may sum in another order than one matrix at a time (float rounding only; on CPU the
@@ -129,44 +131,66 @@ def add_to_params_(params: list[torch.Tensor], update: torch.Tensor, alpha: floa
     torch._foreach_add_(params, list(update.view(len(params), *params[0].shape).unbind(0)), alpha=alpha)
 
 
-def step_stacks_(work: list[tuple[Stack, list[torch.Tensor], int]]) -> None:
+def commit_(skip: torch.Tensor | None, target: torch.Tensor, new: torch.Tensor) -> None:
+    """target ← new; under `skip` (0-dim bool on the device) only where it is not set, unread."""
+    if skip is not None:
+        torch.where(skip, target, new, out=target)
+    elif new is not target:
+        target.copy_(new)
+
+
+def zero_where_(skip: torch.Tensor | None, x: torch.Tensor, value: float = 0.0) -> torch.Tensor:
+    """x (a tensor of the step's own, written in place) set to `value` where `skip` is set."""
+    return x if skip is None else x.masked_fill_(skip, value)
+
+
+def step_stacks_(work: list[tuple[Stack, list[torch.Tensor], int]], skip: torch.Tensor | None = None) -> None:
     """One local step of every stack in `work`: (stack, its parameters, all with a gradient,
     their step count t). Per stack Ĝ, and E and ĝ for a low-rank one; then θ ← θ (1 − η λ), the
     moments and D of every stack at once (`_foreach_*`, one call per dtype or hyperparameter
-    set); then each stack's update."""
-    images = [clipped_image(s, params) for s, params, _ in work]
-    decay_all_(work)
-    lows = [project_with_feedback_(s, g) if s.low_rank else g for (s, _, _), g in zip(work, images)]
-    denominators = moments_all_(work, lows)
+    set); then each stack's update. `skip`: this rank's gradients are not finite (0-dim bool on
+    the device); where set, Ĝ and ĝ are taken as zeros, the decay as 1, u and v are kept and
+    the update terms are zeros, so θ, E, u and v keep their values; the same arithmetic where not."""
+    images = [clipped_image(s, params, skip) for s, params, _ in work]
+    decay_all_(work, skip)
+    lows = [project_with_feedback_(s, g, skip) if s.low_rank else g for (s, _, _), g in zip(work, images)]
+    denominators = moments_all_(work, lows, skip)
     for (s, params, t), g, d in zip(work, images, denominators):
         if s.low_rank:
-            low_rank_update_(s, params, g, d, t)
+            low_rank_update_(s, params, g, d, t, skip)
         else:
-            full_rank_update_(s, params, d, t)
+            full_rank_update_(s, params, d, t, skip)
 
 
-def clipped_image(s: Stack, params: list[torch.Tensor]) -> torch.Tensor:
-    """Ĝ of every member, float32 [n, ...] (low-rank stacks: [n, p, rest])."""
+def clipped_image(s: Stack, params: list[torch.Tensor], skip: torch.Tensor | None = None) -> torch.Tensor:
+    """Ĝ of every member, float32 [n, ...] (low-rank stacks: [n, p, rest]); −0 where `skip`
+    (E + (−0) is E bit for bit)."""
     g = stacked_gradients([p.grad for p in params], s.dtype)
     clip_(g, s.group["clip"])
+    zero_where_(skip, g, -0.0)
     return g.view(len(params), *s.matrix) if s.low_rank else g
 
 
-def decay_all_(work: list[tuple[Stack, list[torch.Tensor], int]]) -> None:
+def decay_all_(work: list[tuple[Stack, list[torch.Tensor], int]], skip: torch.Tensor | None = None) -> None:
     """θ ← θ (1 − η λ) for every stack with weight decay, one `_foreach_mul_` per (factor, dtype);
-    low precision takes the factor as a float32 0-dim tensor, as `p.mul_` takes a Python float."""
+    low precision (and `skip`: 1 where set) takes the factor as a float32 0-dim tensor, as `p.mul_`
+    takes a Python float."""
     by_key: dict[tuple, tuple[Stack, list[torch.Tensor]]] = {}
     for s, params, _ in work:
         if s.group["weight_decay"]:
             decay = 1.0 - s.group["lr"] * s.group["weight_decay"]
             by_key.setdefault((decay, s.dtype, params[0].device), (s, []))[1].extend(params)
     for (decay, dtype, _), (s, params) in by_key.items():
-        torch._foreach_mul_(params, decay if dtype == torch.float32 else s.factor(decay))
+        factor = decay if dtype == torch.float32 and skip is None else s.factor(decay)
+        torch._foreach_mul_(params, factor if skip is None else torch.where(skip, 1.0, factor))
 
 
-def moments_all_(work: list[tuple[Stack, list[torch.Tensor], int]], lows: list[torch.Tensor]) -> list[torch.Tensor]:
+def moments_all_(work: list[tuple[Stack, list[torch.Tensor], int]], lows: list[torch.Tensor],
+                 skip: torch.Tensor | None = None) -> list[torch.Tensor]:
     """`ops.adam_moments_` and `ops.adam_denominator` of every stack (ĝ for low-rank ones, Ĝ
-    for the others), one `_foreach_*` call per line and (β₁, β₂, ε, t): D of each stack."""
+    for the others), one `_foreach_*` call per line and (β₁, β₂, ε, t): D of each stack.
+    Where `skip` is set ĝ is 0 there: u's lerp goes to u itself and v's factor is 1, so both
+    keep their values (u + w (u − u), v · 1 + 0) with no copy of them."""
     by_key: dict[tuple, list[int]] = {}
     for i, (s, _, t) in enumerate(work):
         by_key.setdefault((*s.group["betas"], s.group["eps"], t, lows[i].device), []).append(i)
@@ -175,8 +199,8 @@ def moments_all_(work: list[tuple[Stack, list[torch.Tensor], int]], lows: list[t
         us, vs = [work[i][0].buffers["exp_avg"] for i in index], [work[i][0].buffers["exp_avg_sq"] for i in index]
         gs = [lows[i] for i in index]
         # u ← β₁ u + (1 − β₁) ĝ,  v ← β₂ v + (1 − β₂) ĝ²
-        torch._foreach_lerp_(us, gs, 1 - beta1)
-        torch._foreach_mul_(vs, beta2)
+        torch._foreach_lerp_(us, gs if skip is None else [torch.where(skip, u, g) for u, g in zip(us, gs)], 1 - beta1)
+        torch._foreach_mul_(vs, beta2 if skip is None else torch.where(skip, 1.0, beta2))
         torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
         # D = √(v / (1 − β₂ᵗ)) + ε, as √v / √(1 − β₂ᵗ) + ε
         ds = torch._foreach_sqrt(vs)
@@ -187,9 +211,11 @@ def moments_all_(work: list[tuple[Stack, list[torch.Tensor], int]], lows: list[t
     return denominators
 
 
-def full_rank_update_(s: Stack, params: list[torch.Tensor], d: torch.Tensor, t: int) -> None:
-    """θ ← θ − η u / ((1 − β₁ᵗ) D) for every member (`lordo_tensor.full_rank_step_`)."""
-    u = s.buffers["exp_avg"]
+def full_rank_update_(s: Stack, params: list[torch.Tensor], d: torch.Tensor, t: int,
+                      skip: torch.Tensor | None = None) -> None:
+    """θ ← θ − η u / ((1 − β₁ᵗ) D) for every member (`lordo_tensor.full_rank_step_`); u taken
+    as 0 where `skip` (θ + (−0) is θ)."""
+    u = s.buffers["exp_avg"] if skip is None else s.buffers["exp_avg"].masked_fill(skip, 0.0)
     if s.dtype != torch.float32:                      # u and D rounded to θ's dtype, as per tensor
         u, d = u.to(s.dtype), d.to(s.dtype)
     value = -s.group["lr"] / (1.0 - s.group["betas"][0] ** t)
@@ -206,37 +232,40 @@ def lift(g: torch.Tensor, q: torch.Tensor, where: str, out: torch.Tensor) -> tor
     return torch.bmm(g, q.mT, out=out) if where == lowrank.RIGHT else torch.bmm(q, g, out=out)
 
 
-def project_with_feedback_(s: Stack, g: torch.Tensor) -> torch.Tensor:
-    """ĝ = P(Ĝ + E) of every member, and E ← Ĝ + E − P*(ĝ) (`lordo_tensor.low_rank_step_`)."""
+def project_with_feedback_(s: Stack, g: torch.Tensor, skip: torch.Tensor | None = None) -> torch.Tensor:
+    """ĝ = P(Ĝ + E) of every member, and E ← Ĝ + E − P*(ĝ) (`lordo_tensor.low_rank_step_`);
+    ĝ = 0 where `skip` (Ĝ is −0 there: E keeps its value)."""
     q, error = s.buffers["Q"], s.buffers.get("error")
     # X = Ĝ + E, in E's buffer (E ← X − P*(ĝ) below)   (error_feedback=False: X = Ĝ)
     fed = g if error is None else error.add_(g)
     # ĝ = P(X)
-    low = project(fed, q, s.where)
+    low = zero_where_(skip, project(fed, q, s.where))
     if error is not None:
         # E ← X − P*(ĝ)
         error.sub_(lift(low, q, s.where, out=torch.empty_like(g)))
     return low
 
 
-def low_rank_update_(s: Stack, params: list[torch.Tensor], g: torch.Tensor, d: torch.Tensor, t: int) -> None:
+def low_rank_update_(s: Stack, params: list[torch.Tensor], g: torch.Tensor, d: torch.Tensor, t: int,
+                     skip: torch.Tensor | None = None) -> None:
     """θ ← θ − η [ω P*(u / ((1 − β₁ᵗ) D)) + (1 − ω) Ĝ / mean(D)] for every member, g = Ĝ
-    [n, p, rest] (`lordo_tensor.low_rank_step_`); weight decay already applied."""
+    [n, p, rest] (`lordo_tensor.low_rank_step_`); weight decay already applied. Where `skip`,
+    u / D and the coefficient are zeros (whatever D is), so both terms add zeros."""
     lr, omega, work = s.group["lr"], s.group["omega"], torch.empty_like(g)
     if omega > 0.0:
         # θ ← θ − η ω P*(u / ((1 − β₁ᵗ) D))
-        scaled = lift(s.buffers["exp_avg"] / d, s.buffers["Q"], s.where, out=work)
+        scaled = lift(zero_where_(skip, s.buffers["exp_avg"] / d), s.buffers["Q"], s.where, out=work)
         add_to_params_(params, scaled, alpha=-lr * omega / (1.0 - s.group["betas"][0] ** t))
     if omega < 1.0:
         # θ ← θ − η (1 − ω) Ĝ / mean(D)
-        coefficient = full_rank_coefficient(d.mean(dim=(1, 2)), lr, omega)
+        coefficient = zero_where_(skip, full_rank_coefficient(d.mean(dim=(1, 2)), lr, omega))
         add_to_params_(params, torch.mul(g, coefficient.view(-1, 1, 1), out=work))
 
 
-def refresh_stack_(s: Stack, deltas: list[torch.Tensor]) -> None:
+def refresh_stack_(s: Stack, deltas: list[torch.Tensor], skip: torch.Tensor | None = None) -> None:
     """Q_new = top-r singular vectors of each member's Δ̄ (flat float32), u and v rotated from
     Q into Q_new (`lowrank.top_singular_basis`, `lowrank.rotate_moments`): one stack of the
-    deltas, one batched SVD, three `bmm`s, written into the stack's buffers."""
+    deltas, one batched SVD, three `bmm`s, written into the stack's buffers (not where `skip`)."""
     q, u, v = s.buffers["Q"], s.buffers["exp_avg"], s.buffers["exp_avg_sq"]
     delta = torch.stack([d.view(s.matrix) for d in deltas])
     left, _, right = torch.linalg.svd(delta, full_matrices=False)
@@ -248,6 +277,6 @@ def refresh_stack_(s: Stack, deltas: list[torch.Tensor]) -> None:
         u_new, v_new = torch.bmm(u, c), torch.bmm(v, c2)
     else:                                             # u ← Cᵀ u,  v ← (C ∘ C)ᵀ v
         u_new, v_new = torch.bmm(c.mT, u), torch.bmm(c2.mT, v)
-    u.copy_(u_new)
-    v.copy_(v_new)
-    q.copy_(q_new)
+    commit_(skip, u, u_new)
+    commit_(skip, v, v_new)
+    commit_(skip, q, q_new)

@@ -4,8 +4,10 @@ ones), and for one step a stack whose members lack a gradient or a common step c
 
 Nothing here waits for the device: ‖G‖_F, the clip's scale and mean(D) stay 0-dim tensors on
 the device (they were read on the host before, one read per matrix and step; now a few more
-launches per matrix instead: in tests/optim/test_lordo_audit.py's audit this path's local step
-makes 450 / 1,578 launches at 2 / 8 blocks, against 364 / 1,276 with the reads).
+launches per matrix instead), and a skipped step is masked as on the stacked path
+(`step_each_`, `refresh_basis_`). In tests/optim/test_lordo_audit.py's audit this path's
+local step makes 587 / 2,051 launches at 2 / 8 blocks and no read (450 / 1,578 and one read,
+the envelope's check of the gradients, unmasked; 364 / 1,276 and 12 / 36 reads before that).
 
 Under FSDP2 (two tiers) E, θ₀ and the update run on this rank's rows; the clip's ‖G‖_F,
 mean(D) and the SVD refresh use the whole matrix (gathered or summed over the site).
@@ -19,8 +21,21 @@ import torch
 
 from ..ops import adam_denominator, adam_moments_, lowrank
 from .base import Member
-from .lordo_groups import full_rank_coefficient
+from .lordo_groups import full_rank_coefficient, zero_where_
 from .shards import is_sharded, own_rows, site_sum_, whole
+
+KEPT = ("exp_avg", "exp_avg_sq", "Q")                   # what a basis refresh writes
+
+
+def moments_(u: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta1: float, beta2: float,
+             skip: torch.Tensor | None) -> None:
+    """`ops.adam_moments_`; where `skip` is set (g is 0 there) u's lerp goes to u itself and v's
+    factor is 1, so both keep their values (as `lordo_groups.moments_all_`)."""
+    if skip is None:
+        adam_moments_(u, v, g, beta1, beta2)
+        return
+    u.lerp_(torch.where(skip, u, g), 1 - beta1)
+    v.mul_(torch.where(skip, 1.0, beta2)).addcmul_(g, g, value=1 - beta2)
 
 
 def clipped(grad: torch.Tensor, rho: float | None, norm: torch.Tensor | None) -> torch.Tensor:
@@ -62,15 +77,18 @@ def whole_mean(key: torch.Tensor, d: torch.Tensor, numel: int) -> torch.Tensor:
     return site_sum_(key, d.sum()) / numel
 
 
-def full_rank_step_(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, t: int) -> None:
-    """AdamW's step on Ĝ (vectors, scalars, low_rank=False); weight decay already applied."""
+def full_rank_step_(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, t: int,
+                    skip: torch.Tensor | None = None) -> None:
+    """AdamW's step on Ĝ (vectors, scalars, low_rank=False); weight decay already applied.
+    Where `skip` is set (Ĝ is −0 then), u and v are kept and u / D taken as 0."""
     (beta1, beta2), lr = group["betas"], group["lr"]
     u, v = state["exp_avg"], state["exp_avg_sq"]
     # u ← β₁ u + (1 − β₁) Ĝ,  v ← β₂ v + (1 − β₂) Ĝ²
-    adam_moments_(u, v, g, beta1, beta2)
+    moments_(u, v, g, beta1, beta2, skip)
     # D = √(v / (1 − β₂ᵗ)) + ε
     d = adam_denominator(v, 1.0 - beta2 ** t, group["eps"])
     # θ ← θ − η u / ((1 − β₁ᵗ) D)
+    u = u if skip is None else u.masked_fill(skip, 0.0)
     p.addcdiv_(u.to(p.dtype), d.to(p.dtype), value=-lr / (1.0 - beta1 ** t))
 
 
@@ -79,8 +97,10 @@ def whole_shape(key: torch.Tensor) -> tuple[int, int]:
     return key.shape[0], math.prod(key.shape[1:])
 
 
-def low_rank_step_(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, t: int, key: torch.Tensor) -> None:
+def low_rank_step_(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, t: int, key: torch.Tensor,
+                   skip: torch.Tensor | None = None) -> None:
     """The low-rank step of the module docstring on Ĝ (as p × rest); weight decay already applied.
+    Where `skip` is set (Ĝ is −0 then), ĝ, u / D and the coefficient are zeros: θ, E, u, v kept.
 
     Under FSDP2 p and g are this rank's rows of the parameter `key`; E is row-sharded like
     them and Q is whole on every rank. Right side: ĝ = X Q has our rows only, so u, v are
@@ -97,29 +117,31 @@ def low_rank_step_(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, t
     low = lowrank.project(fed, q_rows, where)
     if where == lowrank.LEFT:
         site_sum_(key, low)
+    zero_where_(skip, low)
     if error is not None:
         # E ← X − P*(ĝ)
         torch.sub(fed, lowrank.lift(low, q_rows, where), out=error)
     mine = own_rows(key, low) if where == lowrank.LEFT else low    # our share of ĝ's r rows (left)
     u, v = state["exp_avg"], state["exp_avg_sq"]
     # u ← β₁ u + (1 − β₁) ĝ,  v ← β₂ v + (1 − β₂) ĝ²     low-rank
-    adam_moments_(u, v, mine, beta1, beta2)
+    moments_(u, v, mine, beta1, beta2, skip)
     # D = √(v / (1 − β₂ᵗ)) + ε                        low-rank, like u and v
     d = adam_denominator(v, 1.0 - beta2 ** t, group["eps"])
     if omega > 0.0:
         # θ ← θ − η ω P*(u / ((1 − β₁ᵗ) D))
-        scaled = u / d if where == lowrank.RIGHT else whole(key, u / d, rows=low.shape[0])
+        scaled = zero_where_(skip, u / d)
+        scaled = scaled if where == lowrank.RIGHT else whole(key, scaled, rows=low.shape[0])
         p.add_(lowrank.lift(scaled, q_rows, where).view(p.shape).to(p.dtype), alpha=-lr * omega / (1.0 - beta1 ** t))
     if omega < 1.0:
         # θ ← θ − η (1 − ω) Ĝ / mean(D)
         numel = low.shape[1] * (whole_shape(key)[0] if where == lowrank.RIGHT else low.shape[0])
-        p.add_(g.mul(full_rank_coefficient(whole_mean(key, d, numel), lr, omega)).to(p.dtype))
+        p.add_(g.mul(zero_where_(skip, full_rank_coefficient(whole_mean(key, d, numel), lr, omega))).to(p.dtype))
 
 
-def refresh_basis_(state: dict, mean_delta: torch.Tensor, key: torch.Tensor) -> None:
+def refresh_basis_(state: dict, mean_delta: torch.Tensor, key: torch.Tensor, skip: torch.Tensor | None = None) -> None:
     """Q_new = top-r singular vectors of the whole Δ̄ (p × rest; our rows `mean_delta`,
     gathered over the site); u, v re-expressed from Q in Q_new (left side, sharded: the
-    r rows are gathered, rotated, and our share kept)."""
+    r rows are gathered, rotated, and our share kept); Q, u, v kept where `skip` is set."""
     full = whole(key, mean_delta)
     where, q_old = lowrank.side(tuple(full.shape)), state["Q"]
     q_new = lowrank.top_singular_basis(full, q_old.shape[1], where)
@@ -129,21 +151,54 @@ def refresh_basis_(state: dict, mean_delta: torch.Tensor, key: torch.Tensor) -> 
     u, v = lowrank.rotate_moments(u, v, q_old, q_new, where)
     if where == lowrank.LEFT:
         u, v = own_rows(key, u).clone(), own_rows(key, v).clone()
+    if skip is not None:
+        u, v, q_new = (torch.where(skip, state[k], new) for k, new in zip(KEPT, (u, v, q_new)))
     state["exp_avg"], state["exp_avg_sq"], state["Q"] = u, v, q_new
 
 
-def step_each_(state_of, members: list[Member]) -> None:
-    """The local step of each of `members` that has a gradient; `state_of(key)` its state."""
+def site_flag(members: list[Member], skip: torch.Tensor | None) -> torch.Tensor | None:
+    """`skip` ORed over each FSDP2 site: its ranks hold one replica whose clip norms, ĝ and
+    u / D are summed or gathered over the site, so one shard's non-finite gradient skips the
+    replica's step on all of them (an all-reduce per site, on the device; plain layouts: `skip`)."""
+    sites = {m.key.device_mesh.get_group(): m.key for m in members if is_sharded(m.key)}
+    if skip is None or not sites:
+        return skip
+    flag = skip.to(torch.float32).view(1)
+    for key in sites.values():
+        site_sum_(key, flag)
+    return flag.view(()).gt(0)
+
+
+def step_each_(state_of, members: list[Member], skip: torch.Tensor | None = None) -> list[dict]:
+    """The local step of each of `members` that has a gradient (`state_of(key)` its state);
+    the states it counted. Under `skip` nothing keeps a value it changed where it is set (Ĝ
+    taken as −0, the decay as 1, `low_rank_step_` / `full_rank_step_`), unread."""
+    counted, factors = [], {}
     for (group, p, key), norm in zip(members, whole_norms(members)):
         if p.grad is None:                                            # no gradient: no local step
             continue
         state = state_of(key)
         state["step"] += 1
+        counted.append(state)
         g = clipped(p.grad, group["clip"], norm)
+        g = g if skip is None else g.masked_fill(skip, -0.0)         # not in place: g may be p.grad
         if group["weight_decay"]:
             # θ ← θ (1 − η λ)
-            p.mul_(1.0 - group["lr"] * group["weight_decay"])
+            p.mul_(decay_factor(1.0 - group["lr"] * group["weight_decay"], p, skip, factors))
         if "Q" in state:
-            low_rank_step_(p, g, state, group, state["step"], key)
+            low_rank_step_(p, g, state, group, state["step"], key, skip)
         else:
-            full_rank_step_(p, g, state, group, state["step"])
+            full_rank_step_(p, g, state, group, state["step"], skip)
+    return counted
+
+
+def decay_factor(decay: float, p: torch.Tensor, skip: torch.Tensor | None, made: dict) -> float | torch.Tensor:
+    """The decay, or under `skip` a 0-dim tensor holding it (1 where set), made once per value
+    in `made`: float64 for float64 θ, else float32, which `mul_` uses as it uses the Python float."""
+    if skip is None:
+        return decay
+    dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+    key = (decay, dtype, p.device)
+    if key not in made:
+        made[key] = torch.full((), decay, dtype=dtype, device=p.device).masked_fill_(skip, 1.0)
+    return made[key]
