@@ -63,6 +63,8 @@ CONFIGS: dict[str, StepConfig] = {
     "ef21-muon": StepConfig(lambda ps, pg: thinwire.EF21Muon(ps, lr=0.02, process_group=pg)),
     "lordo": StepConfig(lambda ps, pg: thinwire.LoRDO(ps, lr=1e-4, rank=_quarter_width(ps), sync_every=LORDO_H,
                                                       process_group=pg), LORDO_H),
+    # the house's smallest optimizer: per-tensor ChunkedTopK, Psyche's 1-bit messages
+    "sign-demo": StepConfig(lambda ps, pg: thinwire.SignDeMo(ps, lr=1e-4, topk=4, chunk=64, process_group=pg)),
     # issue 47's three with nonfinite='skip' (the audit asks 0 host reads of them)
     "apmsqueeze-skip": StepConfig(lambda ps, pg: thinwire.APMSqueeze(ps, lr=1e-4, warmup_steps=5, nonfinite="skip",
                                                                      process_group=pg)),
