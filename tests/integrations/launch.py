@@ -68,12 +68,13 @@ def _serve(path: str, example: str, env: dict) -> None:
     torch.set_num_threads(1)              # no intra-op threads before a fork (OMP_NUM_THREADS=1 in the workers)
     os.environ.clear()
     os.environ.update(env)
-    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sys.path.insert(0, os.path.dirname(example))
+    with _captured() as printed:
+        runpy.run_path(example, run_name="preloaded")    # the imports; main() is not run
+    sys.path.pop(0)
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)   # worker.py waits for it
     listening.bind(path)
     listening.listen(64)
-    sys.path.insert(0, os.path.dirname(example))
-    runpy.run_path(example, run_name="preloaded")        # the imports; main() is not run
-    sys.path.pop(0)
     workers, parent = {}, os.getppid()
     while os.getppid() == parent:         # the tests' server gone (pytest killed): so is this one
         if select.select([listening], [], [], 0.05)[0]:
@@ -88,7 +89,7 @@ def _serve(path: str, example: str, env: dict) -> None:
                 listening.close()
                 for other in workers.values():
                     other.close()
-                _worker(conn, spec, fds)
+                _worker(conn, spec, fds, printed)
             for fd in fds:
                 os.close(fd)
             with contextlib.suppress(OSError):
@@ -116,13 +117,41 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(data[8:8 + int.from_bytes(data[:8], "big")]), fds
 
 
-def _worker(conn: socket.socket, spec: dict, fds: list[int]) -> None:
-    """In the forked worker: what `python -u argv...` does with the example, then _exit."""
+@contextlib.contextmanager
+def _captured():
+    """What is printed to stdout and stderr inside (import-time warnings), by file descriptor:
+    yields {1: bytes, 2: bytes}, filled on exit."""
+    printed = {}
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    files = {fd: tempfile.TemporaryFile() for fd in (1, 2)}
+    try:
+        for fd, f in files.items():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(f.fileno(), fd)
+        yield printed
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, f in files.items():
+            os.dup2(saved[fd], fd)
+            os.close(saved[fd])
+            f.seek(0)
+            printed[fd] = f.read()
+            f.close()
+
+
+def _worker(conn: socket.socket, spec: dict, fds: list[int], printed: dict) -> None:
+    """In the forked worker: what `python -u argv...` does with the example, then _exit. It
+    first prints what the server's imports printed (a warning at import, say), as a new
+    interpreter importing them would: a test reading the launch's output sees it."""
     code = 1
     try:
         for target, fd in zip((0, 1, 2), fds):
             os.dup2(fd, target)
             os.close(fd)
+        for fd in (1, 2):
+            os.write(fd, printed[fd])
         sys.stdin = open(0, closefd=False)
         # -u: unbuffered output, nothing lost when a worker is killed
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)

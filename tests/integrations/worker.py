@@ -21,8 +21,8 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 def main() -> None:
     path = os.environ["THINWIRE_TEST_PRELOADED"]
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    deadline = time.monotonic() + 120
-    while True:                      # the server may still be starting
+    deadline = time.monotonic() + 300
+    while True:                      # the server may still be importing
         try:
             sock.connect(path)
             break
