@@ -55,8 +55,9 @@ from contextlib import contextmanager
 
 import torch
 
-from ..comm import CommStats, Communicator
+from ..comm import CommStats
 from ..compress.topk import MALFORMED
+from ..store.communicator import communicator_for
 from .checkpoints import EnvelopeCheckpoints, InFlight
 from .elastic_rules import ElasticRule
 from .hooks import AlgorithmHooks
@@ -113,7 +114,7 @@ class CommunicatingOptimizer(AlgorithmHooks, ElasticRule, OverlapSteps, Envelope
         self.overlap, self.lookahead = overlap, lookahead
         self._looked_ahead: list[Member] | None = None   # the layout whose parameters are looked ahead
         self._saved: list[torch.Tensor] = []     # their exact values, buffers reused across steps
-        self.comm = Communicator(process_group)
+        self.comm = communicator_for(self, process_group)      # torch.distributed, or a StoreGroup
         self._agreed: str | None = None          # the description all ranks last agreed on
         self._step = 0                           # steps taken (flagged ones included)
         self._carried = 0                        # a local step's non-finite flag, for the next message
@@ -246,10 +247,23 @@ class CommunicatingOptimizer(AlgorithmHooks, ElasticRule, OverlapSteps, Envelope
                 return
             if any(malformed):
                 raise ValueError(f"{MALFORMED} at step {step}")
+            if delivery.excluded_self:
+                self._missed_round(step, layout, record.exchange, delivery)
             with _hyperparameters(self.param_groups, record.hyper):     # a step lands with the lr it started with
                 self._apply(step, layout, delivery)
         finally:
             self._restore(layout, record.snapshot, delivery.present)
+
+    def _missed_round(self, step: int, layout: list[Member], exchange, delivery) -> None:
+        """The store round left this rank's message out: every site applies the round without
+        it, this one too, and it keeps what it sent (`_keep_own`). A message that carried
+        its non-finite flag was never encoded, so there is nothing to keep and the others
+        went on without this rank's verdict: it stops here, one step behind them."""
+        if delivery.own_flagged:
+            raise NonFiniteGradientError(
+                f"non-finite gradients on this site at step {step}, whose message missed the store round: the "
+                "other sites applied the step without it; reload the latest checkpoint to rejoin")
+        self._keep_own(step, layout, exchange)
 
     def _land_masked(self, record: InFlight, delivery) -> None:
         """nonfinite='skip' with no host read (`thinwire.optim.verdict`): applied under the

@@ -20,11 +20,18 @@ class Delivery:
     of what it decoded, `thinwire.wire.checks`): that raises PeerMismatchError for ranks out of
     lockstep or a malformed header, sets `flagged` (the ranks whose gradients were not finite,
     empty on a good step) and returns the values of `extra`. `flagged` read before `check`
-    makes it with no extra flags."""
+    makes it with no extra flags.
+
+    The store exchange (`thinwire.store.StoreGroup`) may deliver fewer rows than ranks: `rows`
+    names the ranks whose rows `data` holds (None: every rank, in rank order), and
+    `excluded_self` is True when this rank's own message is not among them (the round's
+    manifest left it out: it must keep it, `_keep_own`)."""
 
     def __init__(self, verdict: Callable[[list], tuple[list, list[bool]]], present: Presence, data,
-                 defer: Callable | None = None):
+                 defer: Callable | None = None, rows: list[int] | None = None, excluded_self: bool = False):
         self._verdict, self.present, self.data, self._defer = verdict, present, data, defer
+        self.rows, self.excluded_self = rows, excluded_self
+        self.own_flagged = False          # excluded_self: this rank's own message carried the non-finite flag
         self._flagged: list | None = None
 
     @property

@@ -109,12 +109,15 @@ class DeMo(CommunicatingOptimizer):
             until `flush()`. On `wan` (2 ranks, signum, 600 steps, lr 4e-4) DeMo ends +5.5 %
             above DeMo without overlap with 'none', +2.2 % with 'message', +1.1 % with
             'momentum' (+0.25 % at lr 3e-4).
-        process_group: torch.distributed group (default: world; none needed for one process).
+        process_group: torch.distributed group (default: world; none needed for one process),
+            or a `thinwire.store.StoreGroup` (sites exchanging through an object store; a site
+            whose message misses a round keeps it: M ← M + α T⁻¹(Q̂_i), as `_discard`).
     A rank without a gradient for a parameter that another rank has one for counts it as
     zero (its momentum decays); a parameter with a gradient on no rank does not move.
     """
 
     EARLY_START = True            # encode: gradients into M only; apply: Δ into θ only
+    STORE_EXCHANGE = True         # one GatherAll per step; a message that missed a round returns to M
     ELASTIC_KINDS = {"momentum": PER_RANK}     # error feedback: each rank's own unsent momentum
 
     def __init__(self, params, lr: float = 1e-3, beta: float = 0.999, alpha: float = 1.0, topk: int = 32,
@@ -279,6 +282,11 @@ class DeMo(CommunicatingOptimizer):
             own = comp.read(Payload.from_buffer(exchange.payload[offset: offset + n], comp.payload_spec(p.shape)),
                             p.shape)
             self._subtract_sent(step, group, p, comp, self.state[key]["momentum"], own, group["alpha"], scratch)
+
+    def _keep_own(self, step: int, layout: list[Member], exchange: GatherAll) -> None:
+        """This rank's message missed the store round: M ← M + α·T⁻¹(Q̂_i), as for a flagged step
+        (the others' messages still land in θ: `_apply` touches no M)."""
+        self._discard(step, layout, exchange)
 
     def _estimate(self, step: int, layout: list[Member], exchange: GatherAll) -> None:
         """Overlap's lookahead, this rank's estimate of the update in flight:

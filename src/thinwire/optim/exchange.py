@@ -96,13 +96,20 @@ class GatherAll:
         return self._received
 
     def start(self) -> None:
-        parts = gather_parts(self.buffer.numel())
+        # the store exchange agrees on whole messages, one round each: a split one could
+        # arrive in part
+        whole = getattr(self.comm, "WHOLE_MESSAGES", False)
+        parts = [slice(0, self.buffer.numel())] if whole else gather_parts(self.buffer.numel())
         self._pending = [self.comm.all_gather(self.buffer[part], tag=self.tag, out=out, async_op=True)
                          for part, out in zip(parts, self._receive_buffers(parts))]
 
     def finish(self, step: int) -> Delivery:
-        parts, self._pending = [pending.wait() for pending in self._pending], []
+        parts = [pending.wait() for pending in self._pending]
+        absent = {r for pending in self._pending for r in getattr(pending, "absent", ())}
+        self._pending = []
         gathered = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1, out=self._gathered)  # [world, nbytes]
+        if absent:
+            return self._partial(step, gathered, absent)
         start = prefix_nbytes(self.n_params)
         prefixes, world = gathered[:, :start], self.comm.world_size
         presence = Presence(self._present, lambda: read_presence(prefixes, self.n_params))
@@ -115,6 +122,25 @@ class GatherAll:
             return (headers_skip(prefixes, self._expected, extra), header_evidence(prefixes, extra),
                     lambda values: judge_headers(values, world, step))
         return Delivery(lambda extra: read_verdict(prefixes, step, extra), presence, gathered[:, start:], defer)
+
+    def _partial(self, step: int, gathered: torch.Tensor, absent: set[int]) -> Delivery:
+        """A store round whose manifest left ranks out: only the rows it holds, so every site
+        checks and applies the same messages (a 'mean' is over them); read on the host, not
+        deferred (the masked landings index rows by rank)."""
+        rows = [r for r in range(self.comm.world_size) if r not in absent]
+        if not rows:
+            raise RuntimeError(f"step {step}: the store round holds no message at all")
+        kept = gathered[rows]                                           # [arrived, nbytes], a copy
+        start, excluded = prefix_nbytes(self.n_params), self.comm.rank in absent
+        prefixes = kept[:, :start]
+        # presence from the rows that arrived: this rank's own is not one of them when excluded
+        local = [False] * len(self._present) if excluded else self._present
+        presence = Presence(local, lambda: read_presence(prefixes, self.n_params))
+        delivery = Delivery(lambda extra: read_verdict(prefixes, step, extra), presence, kept[:, start:],
+                            rows=rows, excluded_self=excluded)
+        # its own flag, which no other site saw (one host read, on this rare path only)
+        delivery.own_flagged = excluded and bool(int(self.buffer[2].item()) & FLAG_NONFINITE)
+        return delivery
 
 
 class ReduceAll:

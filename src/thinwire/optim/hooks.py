@@ -37,6 +37,16 @@ class AlgorithmHooks:
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         raise NotImplementedError
 
+    STORE_EXCHANGE = False
+    """True when every exchange is one all_gather (`GatherAll`) and `_keep_own` can hold a
+    message that missed a store round: the store exchange (`thinwire.store.StoreGroup`) is
+    refused otherwise."""
+
+    def _keep_own(self, step: int, layout: list[Member], exchange) -> None:
+        """This rank's message missed the store round that every site applies without it:
+        fold it back into local state so it is sent later (called before `_apply`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot keep a message that missed a round")
+
     def _discard(self, step: int, layout: list[Member], exchange) -> None:
         """A flagged step is dropped on every rank: undo what `_encode` took out of local state
         for the message (default: nothing)."""

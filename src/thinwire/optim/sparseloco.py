@@ -171,7 +171,9 @@ class SparseLoCo(DiLoCo):
         error_decay: β of e ← β e + Δ (default 0.95).
         outer_lr: α of θ₀ ← θ₀ − α Δ̄ (default 1.0).
         aggregate: 'mean' (default, the paper's 1/R) | 'senders' (the reference code's).
-        nonfinite, process_group, overlap, delay: as for DiLoCo.
+        nonfinite, process_group, overlap, delay: as for DiLoCo; process_group may also be a
+            `thinwire.store.StoreGroup` (a site whose message misses a round keeps it in e:
+            e ← e' + Δ̂_r, `_keep_own`).
         eager: with delay > 1, each replica jumps to θ₀ − c α Δ̂_r when its sync leaves (default
             True; the module docstring).
         eager_scale: c of that jump, a finite number >= 0 (default 1: its own message's estimate
@@ -180,6 +182,7 @@ class SparseLoCo(DiLoCo):
     """
 
     kind = "sparseloco"
+    STORE_EXCHANGE = True         # one GatherAll per sync; a message that missed a round returns to e
 
     def __init__(self, params, inner=None, sync_every: int = 15, topk: int = 128, chunk: int = 64,
                  values: str = "2bit", transform: str = "identity", indices: str = "packed",
@@ -289,6 +292,18 @@ class SparseLoCo(DiLoCo):
             before = elements.of(self._x).view(p.shape)
             p.copy_(before.sub_(elements.of(self._launched).view(p.shape)).add_(p))
 
+    def _keep_own(self, step: int, layout: list[Member], exchange) -> None:
+        """This rank's message missed the store round: the landing commits e' + Δ̂_r instead of
+        e' (= β e + Δ to float rounding: the unsent residual and the message), so nothing it
+        computed is lost; θ₀ and θ move with the others' messages, as on every site."""
+        if self.grouped:
+            sparseloco_groups.add_own(self, step, layout, exchange.payload[None])
+        else:
+            for (_, p, _), elements, sent in zip(layout, spans(m.param.numel() for m in layout),
+                                                 self._own_sent.values()):
+                _subtract_sent(elements.of(self._unsent).view(p.shape), sent, -1.0)     # e' + Δ̂_r
+        self._own_sent = None                    # its row is not among those the landing reads
+
     def _pending_state(self, record) -> dict:
         """A checkpoint with a sync in flight keeps e', the error its apply commits."""
         unsent = {} if self._unsent is None else {"unsent": self._unsent.clone()}   # None: flagged, never applied
@@ -318,6 +333,8 @@ class SparseLoCo(DiLoCo):
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         rows, self._eager_jumped = delivery.data, False             # [R, payload bytes], rank order
         own, self._own_sent = self._own_sent, None
+        if delivery.rows is not None:                               # a store round without some ranks:
+            own = None                                              # rows are not indexed by rank
         arrived, self._arrived = self._arrived, None
         if self.grouped:
             read = arrived[1] if arrived is not None and arrived[0] is rows else None   # else not read by `_arrival`

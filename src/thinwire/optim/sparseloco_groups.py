@@ -285,6 +285,17 @@ def apply(opt, step: int, layout: list[Member], rows: torch.Tensor, arrived: tup
     _rejoin(opt, g, layout, anchors)
 
 
+def add_own(opt, step: int, layout: list[Member], own: torch.Tensor) -> None:
+    """e' ← e' + Δ̂_r, Δ̂_r read from this rank's own row `own` [1, payload bytes] as every
+    receiver reads it (a message that missed its store round goes back into e)."""
+    g = grouped_for(opt, layout)
+    positions, values, _ = g.read(own)
+    opt._unsent.index_add_(0, positions[0], values[0])     # positions distinct, as in `apply`
+    xs = _views(opt._unsent, g, layout)
+    for i in g.alone:
+        xs[i].add_(alone_mean(opt.compressor, g.shapes[i], g.payloads[i], own, step, "mean").view(g.shapes[i]))
+
+
 def _rejoin(opt, g: GroupedSparseLoCo, layout: list[Member], anchors) -> None:
     """`PeriodicAveraging._rejoin` of every tensor: float32 and other dtypes by `_rejoin_all`
     first (it reads θ_s), then each narrow dtype through its scratch."""

@@ -20,6 +20,11 @@ and `s3://bucket/prefix` (S3, R2, MinIO, ...; `pip install thinwire[store]`).
             carry_over(message)                                 # so keep it for the next round
         log(result.late, result.rejected, result.traffic.as_dict())
 
+An optimizer exchanges through the store where it takes a process group (`StoreGroup`:
+DeMo and SparseLoCo; the others refuse it):
+
+    opt = thinwire.DeMo(params, process_group=StoreGroup(url, site, sites, key, fingerprint))
+
 A site that fell behind reads the rounds it missed with `exchange.read_round(r)` (None while
 round r is open). Nothing runs at import; obstore is imported when an s3:// location opens.
 """
@@ -28,7 +33,8 @@ from .envelope import REASONS, RejectedMessage, SignedMessage, open_envelope, ru
 from .locations import FileLocation, Location, LocationError, StoreTraffic, open_location
 from .manifest import Manifest
 from .rounds import ExchangeError, RoundExchange, RoundResult
+from .communicator import StoreCommunicator, StoreGroup
 
 __all__ = ["REASONS", "ExchangeError", "FileLocation", "Location", "LocationError", "Manifest", "RejectedMessage",
-           "RoundExchange", "RoundResult", "SignedMessage", "StoreTraffic", "open_envelope", "open_location",
-           "run_fingerprint", "seal"]
+           "RoundExchange", "RoundResult", "SignedMessage", "StoreCommunicator", "StoreGroup", "StoreTraffic",
+           "open_envelope", "open_location", "run_fingerprint", "seal"]

@@ -97,12 +97,12 @@ class RoundExchange:
         self.round_timeout, self.poll, self.readers = float(round_timeout), poll, readers
         self._published: tuple[int, bytes] | None = None    # (round, object): no need to read it back
 
-    def exchange(self, round: int, payload: bytes) -> RoundResult:
-        """Publish this site's `payload` for `round`, wait for the others up to the deadline,
-        and return the round's agreed messages."""
+    def exchange(self, round: int, payload: bytes, timeout: float | None = None) -> RoundResult:
+        """Publish this site's `payload` for `round`, wait for the others up to the deadline
+        (`timeout`, default `round_timeout`), and return the round's agreed messages."""
         start, before = time.monotonic(), self.location.traffic.copy()
         self.publish(round, payload)
-        keys = self._wait(round, time.monotonic() + self.round_timeout)
+        keys = self._wait(round, time.monotonic() + (self.round_timeout if timeout is None else float(timeout)))
         return self._agree(round, keys, start, before)
 
     def publish(self, round: int, payload: bytes) -> bool:

@@ -1,0 +1,176 @@
+"""The store exchange as an optimizer's process group: DeMo and SparseLoCo across sites that
+reach each other only through an object store.
+
+    from thinwire.store import StoreGroup
+
+    sites = StoreGroup("file:///shared/run-42", site="site-a", sites=["site-a", "site-b"],
+                       key=run_key, fingerprint=run_config_json, round_timeout=90.0)
+    opt = thinwire.DeMo(model.parameters(), lr=3e-4, process_group=sites)
+
+Where an optimizer takes a torch.distributed group it takes a `StoreGroup`: the site is its
+rank (sites sorted by id), the sites its world. Each `all_gather` its exchange issues is one
+agreed round (`RoundExchange`): this site's uint8 message written once, the manifest's
+messages back in rank order. What a round leaves out (a late site, a rejected object) comes
+back as `RoundPending.absent`, so the exchange delivers only the rows the manifest holds and
+every site applies the same ones; a site whose own message missed keeps it (the optimizer's
+`_keep_own`). Only optimizers whose every exchange is one all_gather and whose error feedback
+can hold a message that missed take it (`STORE_EXCHANGE`); the others refuse it at
+construction (docs/design.md, "The store exchange").
+
+Rounds are numbered by the order of the collectives, which every site issues alike: round 0
+is the first handshake. A handshake round waits `join_timeout` (sites start at different
+times) and needs every site: a site missing from it raises `ExchangeError`.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from ..comm import Communicator
+from ..comm.stats import CommStats
+from .rounds import ExchangeError, RoundExchange, RoundResult
+
+HANDSHAKE_TAG = "handshake"
+
+
+class StoreGroup:
+    """The sites of a run and this site's end of their store (`RoundExchange`'s arguments,
+    plus `join_timeout`: how long a handshake round waits for every site, and `first_round`:
+    the round the first collective uses, for a run continued in a location already used)."""
+
+    def __init__(self, location, site: str, sites, key, fingerprint, round_timeout: float = 90.0, *,
+                 join_timeout: float = 600.0, first_round: int = 0, **options):
+        self.rounds = RoundExchange(location, site, sites, key, fingerprint, round_timeout, **options)
+        self.join_timeout = float(join_timeout)
+        self.next_round = int(first_round)
+        self.results: list[RoundResult] = []          # every round this site took part in, in order
+
+    @property
+    def rank(self) -> int:
+        return self.rounds.sites.index(self.rounds.site)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.rounds.sites)
+
+    @property
+    def missed_rounds(self) -> list[int]:
+        """The rounds whose manifest left this site's message out."""
+        return [r.round for r in self.results if not r.included]
+
+    def communicator(self) -> StoreCommunicator:
+        return StoreCommunicator(self)
+
+
+def communicator_for(optimizer, process_group):
+    """A Communicator over a torch.distributed group, or the store exchange's over a
+    `StoreGroup` for an optimizer that can keep a message that missed its round."""
+    if not isinstance(process_group, StoreGroup):
+        return Communicator(process_group)
+    if not optimizer.STORE_EXCHANGE:
+        raise ValueError(
+            f"{type(optimizer).__name__} cannot exchange through the store: a store round may leave a late "
+            "site's message out, and only an optimizer whose every exchange is one all_gather and whose "
+            "error feedback keeps the message that missed (DeMo, SparseLoCo) can promise to lose nothing; "
+            "use a torch.distributed process group (docs/design.md, 'The store exchange')")
+    return process_group.communicator()
+
+
+class RoundPending:
+    """One round in flight; `wait()` returns the [world, nbytes] rows, and sets `absent`: the
+    ranks whose message the manifest does not hold (their rows are left as they were)."""
+
+    absent: tuple[int, ...] = ()
+
+    def __init__(self, comm: StoreCommunicator, future, out: torch.Tensor, tag: str, nbytes: int):
+        self._comm, self._future, self._out, self._tag, self._nbytes = comm, future, out, tag, nbytes
+
+    def wait(self) -> torch.Tensor:
+        if self._future is not None:
+            result, self._future = self._future.result(), None
+            self.absent = self._comm._land(result, self._out, self._tag, self._nbytes)
+        return self._out
+
+
+class StoreCommunicator:
+    """What `GatherAll` needs of a `Communicator`, over a `StoreGroup`: `all_gather` of a
+    uint8 buffer as one round, run on a thread so that `async_op` overlaps compute as a
+    torch.distributed collective does. Every other collective raises: the optimizers that
+    need one refuse the store before a step (`CommunicatingOptimizer._init_comm`).
+
+    `stats` counts a round as one collective: payload bytes (the buffer), link bytes sent and
+    received (the objects this site wrote and read, envelopes and manifest included);
+    `traffic` has the store's requests (puts, gets, lists)."""
+
+    WHOLE_MESSAGES = True            # one round per message: `GatherAll` does not split it
+
+    def __init__(self, group: StoreGroup):
+        self.store, self.stats, self.group = group, CommStats(), None
+        self.rank, self.world_size = group.rank, group.world_size
+        self._worker: ThreadPoolExecutor | None = None      # one thread: rounds run in the order issued
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def traffic(self):
+        return self.store.rounds.location.traffic
+
+    def all_gather(self, buf: torch.Tensor, *, tag: str = "payload", out: torch.Tensor | None = None,
+                   async_op: bool = False):
+        """Every site's `buf` (uint8, 1-D) in rank order, [world_size, numel], through one round."""
+        if buf.dtype != torch.uint8 or buf.dim() != 1:
+            raise ValueError(f"the store exchange carries 1-D uint8 messages, got {buf.dtype} {tuple(buf.shape)}")
+        shape = (self.world_size, buf.numel())
+        if out is None:
+            out = torch.empty(shape, dtype=torch.uint8, device=buf.device)
+        elif tuple(out.shape) != shape or out.dtype != buf.dtype:
+            raise ValueError(f"out must have shape {shape} and dtype {buf.dtype}")
+        payload = buf.detach().cpu().numpy().tobytes()      # the message as it is now: the caller may reuse buf
+        round_, self.store.next_round = self.store.next_round, self.store.next_round + 1
+        timeout = self.store.join_timeout if tag == HANDSHAKE_TAG else None
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="thinwire-store")
+        future = self._worker.submit(self.store.rounds.exchange, round_, payload, timeout)
+        pending = RoundPending(self, future, out, tag, buf.nbytes)
+        if async_op:
+            return pending
+        pending.wait()
+        if pending.absent and tag == HANDSHAKE_TAG:
+            missing = [self.store.rounds.sites[r] for r in pending.absent]
+            raise ExchangeError(f"round {round_} (a handshake): site(s) {missing} did not join within "
+                                f"{self.store.join_timeout} s; every site must take part in a handshake")
+        return out
+
+    def _land(self, result: RoundResult, out: torch.Tensor, tag: str, nbytes: int) -> tuple[int, ...]:
+        """The round's messages into their rows of `out`; counted; the absent ranks returned."""
+        self.store.results.append(result)
+        sites = self.store.rounds.sites
+        for site, message in result.messages.items():
+            if len(message) != nbytes:         # every site derives the size from the agreed layout
+                raise ExchangeError(f"round {result.round}: {site}'s message has {len(message)} bytes, "
+                                    f"this site's {nbytes}: the sites do not share one layout")
+            row = torch.from_numpy(np.frombuffer(message, dtype=np.uint8).copy())
+            out[sites.index(site)].copy_(row)
+        traffic = result.traffic
+        self.stats.record(tag, nbytes, traffic.bytes_written, traffic.bytes_read)
+        return tuple(r for r, site in enumerate(sites) if site not in result.messages)
+
+    def _refuse(self, op: str):
+        raise ValueError(f"the store exchange carries one all_gather per round, not {op}")
+
+    def all_reduce(self, *args, **kwargs):
+        self._refuse("all_reduce")
+
+    def all_to_all(self, *args, **kwargs):
+        self._refuse("all_to_all")
+
+    def gather(self, *args, **kwargs):
+        self._refuse("gather")
+
+    def broadcast(self, *args, **kwargs):
+        self._refuse("broadcast")

@@ -1,0 +1,105 @@
+"""DeMo and SparseLoCo through the store exchange: 2 sites as 2 processes sharing only a
+file:// store, against the same 2 processes over gloo.
+
+On time, every parameter and every state tensor is bit-identical to the gloo run. With one
+site sleeping past the round deadline, the round closes without it: both sites apply the
+other's message alone and stay bit-identical, and the late site keeps its message (DeMo in
+M, SparseLoCo in e), which is what separates it from the on-time run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import thinwire
+from thinwire.store import StoreGroup
+
+from .train_sites import CONFIG, KEY, SITES, run_gloo, run_store
+
+ON_TIME_S = 60.0         # no site misses a round
+TIMEOUT_S = 3.0          # the late runs' round_timeout
+LATE_S = 4.5             # past the deadline, and back within the next round's
+LATE = {"demo": (1, 3), "sparseloco": (1, 4)}      # (rank, step): site-b, a DeMo step, a SparseLoCo sync
+ROUND_OF = {"demo": 3, "sparseloco": 2}            # round 0 is the handshake; SparseLoCo syncs every 2nd step
+
+
+def tensors(entry: dict) -> list[torch.Tensor]:
+    return entry["params"] + [t for state in entry["state"] for t in state.values()]
+
+
+def assert_identical(left: list[dict], right: list[dict]) -> None:
+    for a, b in zip(left, right, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(tensors(a), tensors(b), strict=True))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """kind -> (gloo run, on-time store run)."""
+    def both(kind):
+        url = tmp_path_factory.mktemp(kind).as_uri()
+        return run_gloo(kind), run_store(kind, url, ON_TIME_S)
+    return {kind: both(kind) for kind in ("demo", "demo-bf16", "sparseloco", "sparseloco-2bit")}
+
+
+@pytest.mark.parametrize("kind", ["demo", "demo-bf16", "sparseloco", "sparseloco-2bit"])
+def test_on_time_store_run_is_bit_identical_to_gloo(runs, kind):
+    gloo, store = runs[kind]
+    for rank in range(len(SITES)):
+        assert_identical(gloo[rank]["history"], store[rank]["history"])
+        assert store[rank]["missed"] == []
+        assert store[rank]["stats"]["payload_bytes"] == gloo[rank]["stats"]["payload_bytes"]
+    last = [store[r]["history"][-1]["params"] for r in range(len(SITES))]    # replicas, after a sync
+    assert all(torch.equal(x, y) for x, y in zip(*last, strict=True))
+
+
+@pytest.fixture(scope="module")
+def late_runs(tmp_path_factory):
+    def late(kind):
+        rank, step = LATE[kind]
+        return run_store(kind, tmp_path_factory.mktemp(f"late-{kind}").as_uri(), TIMEOUT_S, (rank, step, LATE_S))
+    return {kind: late(kind) for kind in LATE}
+
+
+def held_back(late: torch.Tensor, on_time: torch.Tensor) -> torch.Tensor:
+    """Where the late site's state differs from the on-time run's: exactly where its message
+    was taken out (zero in the on-time run: fp32 values, x - x) and went back in (x)."""
+    differs = late != on_time
+    assert differs.any() and (on_time[differs] == 0).all()
+    return differs
+
+
+@pytest.mark.parametrize("kind", ["demo", "sparseloco"])
+def test_a_late_site_is_left_out_and_keeps_its_message(runs, late_runs, kind):
+    _, on_time = runs[kind]
+    sites = late_runs[kind]
+    rank, step = LATE[kind]
+    at, key = step - 1, "momentum" if kind == "demo" else "error"    # history index of `step`; what keeps it
+    assert sites[rank]["missed"] == [ROUND_OF[kind]] and sites[1 - rank]["missed"] == []
+    for a, b in zip(sites[0]["history"], sites[1]["history"], strict=True):      # replicas, every step
+        if kind == "demo":
+            assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
+        else:                                                           # θ₀ (θ between syncs is local)
+            assert all(torch.equal(x["anchor"], y["anchor"]) for x, y in zip(a["state"], b["state"], strict=True))
+    for r in range(len(SITES)):                                         # nothing differs before the late round
+        assert_identical(sites[r]["history"][:at], on_time[r]["history"][:at])
+    late = [s[key] for s in sites[rank]["history"][at]["state"]]
+    assert sum(int(held_back(x, y).sum()) for x, y in zip(late, [s[key] for s in on_time[rank]["history"][at]["state"]]))
+    other = [s[key] for s in sites[1 - rank]["history"][at]["state"]]   # the on-time site's sent as always
+    assert all(torch.equal(x, s[key]) for x, s in zip(other, on_time[1 - rank]["history"][at]["state"]))
+    # the on-time site's message alone moved the replicas: not where both messages moved them
+    assert not all(torch.equal(x, y) for x, y in zip(sites[0]["history"][at]["params"],
+                                                    on_time[0]["history"][at]["params"]))
+
+
+def test_optimizers_that_cannot_keep_a_missed_message_refuse_the_store(tmp_path):
+    group = StoreGroup(tmp_path.as_uri(), SITES[0], SITES, KEY, CONFIG)
+    params = [torch.nn.Parameter(torch.zeros(4, 4))]
+    makes = {"DiLoCo": lambda: thinwire.DiLoCo(params, process_group=group, wire="bf16"),
+             "LoRDO": lambda: thinwire.LoRDO(params, process_group=group),
+             "DenseAllReduce": lambda: thinwire.DenseAllReduce(torch.optim.SGD(params), process_group=group),
+             "APMSqueeze": lambda: thinwire.APMSqueeze(params, lr=1e-3, warmup_steps=10, process_group=group),
+             "EF21Muon": lambda: thinwire.EF21Muon(params, process_group=group),
+             "SignDeMo": lambda: thinwire.SignDeMo(params, process_group=group)}
+    for name, make in makes.items():
+        with pytest.raises(ValueError, match=f"{name} cannot exchange through the store"):
+            make()

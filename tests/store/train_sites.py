@@ -1,0 +1,104 @@
+"""A tiny model trained by DeMo or SparseLoCo on 2 sites, over gloo or through a store.
+
+    run_gloo(kind)                                  # tests.dist: 2 gloo processes
+    run_store(kind, url, round_timeout, late=None)  # 2 processes sharing only the store
+    late = (rank, step, seconds): that site sleeps before its step() of `step`
+
+Each returns, per rank, {'history': [per step: params, optimizer state], 'stats', 'missed'}.
+Both runs call `train` with the same model, data and settings; only the process group differs.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+import thinwire
+from thinwire.store import StoreGroup
+from thinwire.train.launch import exit_process, start_method
+
+SITES = ["site-a", "site-b"]
+KEY, CONFIG = b"the run's key", '{"test": "store optimizers"}'
+SETTINGS = {
+    # identity transform and fp32 values: what a late site keeps is exact (x - x + x = x)
+    "demo": dict(lr=1e-2, topk=4, chunk=8, transform="identity", values="fp32"),
+    "demo-bf16": dict(lr=1e-2, topk=4, chunk=8),
+    "sparseloco": dict(sync_every=2, topk=4, chunk=8, values="fp32"),
+    "sparseloco-2bit": dict(sync_every=2, topk=4, chunk=8),
+}
+STEPS = {"demo": 4, "demo-bf16": 4, "sparseloco": 6, "sparseloco-2bit": 6}
+
+
+def make(kind: str, params, group):
+    cls = thinwire.DeMo if kind.startswith("demo") else thinwire.SparseLoCo
+    return cls(params, process_group=group, **SETTINGS[kind])
+
+
+def train(rank: int, world_size: int, kind: str, group=None, late=None) -> dict:
+    torch.manual_seed(0)                                   # the same initial model on every site
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    opt = make(kind, model.parameters(), group)
+    params, history = list(model.parameters()), []
+    for step in range(1, STEPS[kind] + 1):
+        data = torch.Generator().manual_seed(1000 * rank + step)     # each site its own data
+        x, y = torch.randn(8, 16, generator=data), torch.randn(8, 8, generator=data)
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if late is not None and late[:2] == (rank, step):
+            time.sleep(late[2])                            # past the others' round deadline
+        opt.step()
+        history.append({"params": [p.detach().clone() for p in params],
+                        "state": [{k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+                                  for p in params]})
+    missed = None if group is None else group.missed_rounds
+    return {"history": history, "stats": opt.comm_stats.as_dict(), "missed": missed}
+
+
+def run_gloo(kind: str) -> list[dict]:
+    from tests.dist import run_workers
+    return run_workers(train, world_size=2, args=(kind,))
+
+
+def _site_main(rank: int, tmpdir: str, kind: str, url: str, round_timeout: float, late) -> None:
+    torch.set_num_threads(1)
+    path = os.path.join(tmpdir, f"result{rank}.pt")
+    try:
+        group = StoreGroup(url, SITES[rank], SITES, KEY, CONFIG, round_timeout, join_timeout=120.0,
+                           poll=(0.01, 0.1))
+        torch.save(("ok", train(rank, len(SITES), kind, group, late)), path)
+    except BaseException:
+        torch.save(("error", traceback.format_exc()), path)
+    exit_process(0)
+
+
+def run_store(kind: str, url: str, round_timeout: float, late=None, timeout: float = 180.0) -> list[dict]:
+    """One process per site, sharing nothing but the store at `url`."""
+    ctx = mp.get_context(start_method())
+    with tempfile.TemporaryDirectory() as tmpdir:
+        procs = [ctx.Process(target=_site_main, args=(r, tmpdir, kind, url, round_timeout, late), daemon=True)
+                 for r in range(len(SITES))]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        results, errors = [], []
+        for r in range(len(SITES)):
+            path = os.path.join(tmpdir, f"result{r}.pt")
+            if not os.path.exists(path):
+                errors.append(f"site {r}: hung or died (exit code {procs[r].exitcode})")
+                continue
+            status, value = torch.load(path, weights_only=False)
+            if status == "error":
+                errors.append(f"site {r} raised:\n{value}")
+            results.append(value)
+        assert not errors, "\n".join(errors)
+        return results
