@@ -22,6 +22,10 @@ class AlgorithmHooks:
     """True when `_encode` never reads the parameters nor `_apply` the state, and `_exchange`
     alternates two exchanges by step parity: overlap then sends step t before applying t − 1."""
 
+    REPLICAS_DRIFT = False
+    """True when replicas differ between exchanges (local steps between syncs): a checkpoint
+    then keeps every rank's own parameters beside the one replica (train/checkpoint.py)."""
+
     def _describe(self, layout: list[Member]) -> str:
         raise NotImplementedError
 

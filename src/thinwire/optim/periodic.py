@@ -123,6 +123,7 @@ class PeriodicAveraging(CommunicatingOptimizer):
     """
 
     kind = "periodic-averaging"
+    REPLICAS_DRIFT = True                     # local steps between syncs
 
     def _init_sync(self, process_group, nonfinite: str, sync_every: int, outer_lr: float,
                    outer_momentum: float, wire: str, overlap: bool = False, delay: int = 1) -> None:

@@ -3,8 +3,9 @@
     OPTIMIZERS["demo"].build(model, cfg, lr) -> Built(optimizer, forward_model, stats, counts_itself)
     OPTIMIZERS["demo"].build(model, cfg, lr, group=site_group)   # on FSDP2 shards (--sites)
 
-Each entry has a factory and default learning rates per preset (from the sweep documented
-in docs/harness.md). A new optimizer is one `register(...)` call. Every factory returns
+Each entry has a factory, default learning rates per preset (from the sweep documented in
+docs/harness.md) and its settings dataclass (train/settings.py: its flags). A new optimizer is
+one settings class and one `register(...)` call (docs/design.md, "Adding an optimizer"). Every factory returns
 the thing the training loop steps and the CommStats its bytes are counted in:
   * thinwire optimizers (DeMo, ..., DenseAllReduce around AdamW / Adam / Muon) count their
     own bytes in `opt.comm_stats` and call `begin_step()` themselves;
@@ -19,9 +20,9 @@ the thing the training loop steps and the CommStats its bytes are counted in:
 Dense baselines send fp32 gradients (DenseAllReduce's default, DDP's buckets); the table says so.
 
 Overlap. `cfg.overlap` (`--overlap`) builds every thinwire optimizer with overlap=True (its
-exchange left in flight while the next step computes); "<name>-overlap" entries (demo-overlap,
-ef21-muon-overlap, apmsqueeze-overlap, lordo-overlap, diloco-overlap, sparseloco-overlap) build
-it with overlap whatever the flag, so one table can hold both. "diloco-delayed" and
+exchange left in flight while the next step computes); a spec registered
+`with_overlap_variant=True` gets a "<name>-overlap" entry too (demo-overlap, ...), built with
+overlap whatever the flag, so one table can hold both. "diloco-delayed" and
 "sparseloco-delayed" leave each sync in flight for a whole interval (delay = H): it lands
 just before the next one leaves (thinwire.optim.periodic). PowerSGD and the DDP baselines cannot take it
 (their `OptimizerSpec.why_no_overlap` says why; run.check_run refuses them with that line): DDP
@@ -34,7 +35,7 @@ HSDP (Muon, without one, is DenseAllReduce on the shards); PowerSGD's DDP hook i
 (`why_no_shards`) before any worker starts.
 
 Checkpoints (train/checkpoint.py) read two facts off `Built`: `per_rank_state` (set by `_wrap`
-for every thinwire optimizer) and `replicas_drift` (LoRDO, DiLoCo, SparseLoCo). PowerSGD is not
+for every thinwire optimizer) and `replicas_drift` (the class's `REPLICAS_DRIFT`: LoRDO, DiLoCo, SparseLoCo). PowerSGD is not
 checkpointed (`why_no_checkpoint`).
 """
 
@@ -89,6 +90,7 @@ class OptimizerSpec:
     # cfg -> a sentence saying why this optimizer cannot run that configuration ("": it can)
     why_not_config: Callable[[object], str] | None = None
     settings: type[Settings] | None = None  # its own settings (train/settings.py): flags --<PREFIX>-<field>
+    with_overlap_variant: bool = False     # register() adds "<name>-overlap" (built with overlap=True) too
 
     @property
     def can_overlap(self) -> bool:
@@ -102,8 +104,20 @@ class OptimizerSpec:
 OPTIMIZERS: dict[str, OptimizerSpec] = {}
 
 
+def _overlap_variant(base: OptimizerSpec) -> OptimizerSpec:
+    """"<name>-overlap": `base` built with overlap=True whatever cfg.overlap says."""
+    def build(model, cfg, lr, group=None):
+        return base.build(model, replace(cfg, overlap=True), lr, group=group)
+    return OptimizerSpec(f"{base.name}-overlap", build, dict(base.default_lr), dense=False,
+                         description=f"{base.description}, overlap=True (exchange in flight during the next step)",
+                         counterpart=base.counterpart, on_shards=base.on_shards, overlap=True,
+                         why_not_config=base.why_not_config, settings=base.settings)
+
+
 def register(spec: OptimizerSpec) -> None:
     OPTIMIZERS[spec.name] = spec
+    if spec.with_overlap_variant:
+        OPTIMIZERS[f"{spec.name}-overlap"] = _overlap_variant(spec)
 
 
 def get_optimizer(name: str) -> OptimizerSpec:
@@ -118,9 +132,10 @@ def learning_rate(cfg, name: str, lrs: dict[str, float] | None = None) -> float:
     return (lrs or {}).get(name) or cfg.lr or get_optimizer(name).lr_for(cfg.name)
 
 
-def _wrap(opt: torch.optim.Optimizer, model: torch.nn.Module, replicas_drift: bool = False) -> Built:
-    """A thinwire optimizer's Built: it counts its own bytes and its state is this rank's."""
-    return Built(opt, model, opt.comm_stats, per_rank_state=True, replicas_drift=replicas_drift)
+def _wrap(opt: torch.optim.Optimizer, model: torch.nn.Module) -> Built:
+    """A thinwire optimizer's Built: it counts its own bytes, its state is this rank's, and its
+    class says whether replicas drift between exchanges (`REPLICAS_DRIFT`)."""
+    return Built(opt, model, opt.comm_stats, per_rank_state=True, replicas_drift=type(opt).REPLICAS_DRIFT)
 
 
 def _ov(cfg) -> bool:
@@ -230,7 +245,7 @@ def _lordo(model, cfg, lr, group=None):
     rank = cfg.settings(LoRDOSettings).rank or min(256, max(1, cfg.n_embd // 4))
     groups = [{"params": matrices, "low_rank": True}, {"params": rest, "low_rank": False}]
     return _wrap(LoRDO(groups, lr=lr, rank=rank, sync_every=cfg.sync_every, clip=LORDO_CLIP, betas=(0.9, 0.95),
-                       weight_decay=0.1, process_group=group, overlap=_ov(cfg)), model, replicas_drift=True)
+                       weight_decay=0.1, process_group=group, overlap=_ov(cfg)), model)
 
 
 def _delay(cfg, delayed: bool) -> dict:
@@ -242,7 +257,7 @@ def _diloco(model, cfg, lr, group=None, delayed: bool = False):
     inner, s = lambda ps: torch_adamw(ps, cfg, lr), cfg.settings(DiLoCoSettings)  # noqa: E731
     return _wrap(DiLoCo(model.parameters(), inner=inner, sync_every=cfg.sync_every, process_group=group,
                         outer_lr=s.outer_lr, outer_momentum=s.outer_momentum,
-                        **_delay(cfg, delayed)), model, replicas_drift=True)
+                        **_delay(cfg, delayed)), model)
 
 
 def _sparseloco(model, cfg, lr, group=None, delayed: bool = False):
@@ -257,7 +272,7 @@ def _sparseloco(model, cfg, lr, group=None, delayed: bool = False):
     return _wrap(SparseLoCo(model.parameters(), inner=inner, sync_every=cfg.sync_every, process_group=group,
                             topk=s.topk, chunk=s.chunk, values=s.values, indices=s.indices,
                             error_decay=s.error_decay, outer_lr=s.outer_lr, eager_scale=s.eager_scale,
-                            **_delay(cfg, delayed)), model, replicas_drift=True)
+                            **_delay(cfg, delayed)), model)
 
 
 def _powersgd(model, cfg, lr, group=None):
@@ -304,41 +319,32 @@ register(OptimizerSpec(
     why_no_checkpoint="powersgd cannot be checkpointed: PyTorch's DDP hook keeps its error feedback outside the "
                       "optimizer, where no checkpoint reaches it"))
 register(OptimizerSpec("demo", _demo, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 4e-4, "sites": 4e-4},
-                       description="DeMo (DCT top-k, signum)", on_shards=True, settings=DeMoSettings))
+                       description="DeMo (DCT top-k, signum)", on_shards=True, settings=DeMoSettings,
+                       with_overlap_variant=True))
 # SignDeMo: DeMo's rates, unswept (its update is DeMo's signum step)
 register(OptimizerSpec("sign-demo", _sign_demo, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 4e-4, "sites": 4e-4},
                        description="SignDeMo (DCT top-4 of 64x64, 1 sign bit each, no scale: Psyche's DeMo)",
-                       on_shards=True, settings=SignDeMoSettings))
+                       on_shards=True, settings=SignDeMoSettings, with_overlap_variant=True))
 register(OptimizerSpec("apmsqueeze", _apmsqueeze, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3},
                        description="APMSqueeze (Adam warmup, then 1-bit momentum)", counterpart="adam", on_shards=True,
-                       why_not_config=_apmsqueeze_short_warmup, settings=APMSqueezeSettings))
+                       why_not_config=_apmsqueeze_short_warmup, settings=APMSqueezeSettings,
+                       with_overlap_variant=True))
 register(OptimizerSpec("ef21-muon", _ef21_muon, {"tiny": 1e-2, "small": 1.2e-1, "base": 1.2e-1},
                        description="EF21-Muon (replicated, beta 0.3, uplink top-44% int8)", counterpart="muon",
-                       on_shards=True, settings=EF21MuonSettings))
+                       on_shards=True, settings=EF21MuonSettings, with_overlap_variant=True))
 register(OptimizerSpec("lordo", _lordo, {"tiny": 3e-3, "small": 5e-3, "base": 5e-3},
-                       description="LoRDO (low-rank Adam, sync every 32)", on_shards=True, settings=LoRDOSettings))
+                       description="LoRDO (low-rank Adam, sync every 32)", on_shards=True, settings=LoRDOSettings,
+                       with_overlap_variant=True))
 register(OptimizerSpec("diloco", _diloco, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3},
                        description="DiLoCo (AdamW inner, Nesterov outer, sync every 32)", on_shards=True,
-                       settings=DiLoCoSettings))
+                       settings=DiLoCoSettings, with_overlap_variant=True))
 # DiLoCo's inner rates, unswept; wan swept at --sync-every 8 (val loss at 600 steps): 6e-4 2.4098,
 # 1e-3 2.4427, 1.5e-3 2.5247 (docs/results/2026-11-24-sparseloco-wan.md)
 register(OptimizerSpec("sparseloco", _sparseloco, {"tiny": 3e-3, "small": 1e-3, "base": 1e-3, "wan": 6e-4},
                        description="SparseLoCo (AdamW inner, top-128/4096 2-bit error feedback, sync every 32)",
-                       on_shards=True, settings=SparseLoCoSettings))
+                       on_shards=True, settings=SparseLoCoSettings, with_overlap_variant=True))
 
 
-def _overlap_variant(base: OptimizerSpec) -> OptimizerSpec:
-    """"<name>-overlap": `base` built with overlap=True whatever cfg.overlap says."""
-    def build(model, cfg, lr, group=None):
-        return base.build(model, replace(cfg, overlap=True), lr, group=group)
-    return OptimizerSpec(f"{base.name}-overlap", build, dict(base.default_lr), dense=False,
-                         description=f"{base.description}, overlap=True (exchange in flight during the next step)",
-                         counterpart=base.counterpart, on_shards=base.on_shards, overlap=True,
-                         why_not_config=base.why_not_config, settings=base.settings)
-
-
-for _name in ("demo", "ef21-muon", "apmsqueeze", "lordo", "diloco", "sparseloco"):
-    register(_overlap_variant(OPTIMIZERS[_name]))
 for _name, _factory in (("diloco", _diloco), ("sparseloco", _sparseloco)):
     register(OptimizerSpec(f"{_name}-delayed", partial(_factory, delayed=True), dict(OPTIMIZERS[_name].default_lr),
                            description=f"{OPTIMIZERS[_name].description}, overlap=True, delay=H (each sync in flight "
