@@ -30,10 +30,11 @@ round r is open). Nothing runs at import; obstore is imported when an s3:// loca
 """
 
 from .envelope import REASONS, RejectedMessage, SignedMessage, open_envelope, run_fingerprint, seal
-from .locations import FileLocation, Location, LocationError, StoreTraffic, open_location
+from .locations import FileLocation, Location, LocationError, StoreTraffic
 from .manifest import Manifest
 from .rounds import ExchangeError, RoundExchange, RoundResult
 from .communicator import StoreCommunicator, StoreGroup
+from .urls import open_location
 
 __all__ = ["REASONS", "ExchangeError", "FileLocation", "Location", "LocationError", "Manifest", "RejectedMessage",
            "RoundExchange", "RoundResult", "SignedMessage", "StoreCommunicator", "StoreGroup", "StoreTraffic",

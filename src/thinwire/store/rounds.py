@@ -25,7 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .envelope import FINGERPRINT_NBYTES, RejectedMessage, open_envelope, run_fingerprint, seal
-from .locations import Location, StoreTraffic, open_location
+from .locations import Location, StoreTraffic
+from .urls import open_location
 from .manifest import Manifest, check_site, digest, manifest_key, message_key, round_folder
 
 log = logging.getLogger(__name__)
