@@ -12,15 +12,24 @@ import pytest
 import torch
 
 import thinwire
+from thinwire.compress import SparseLoCoTopK
 from thinwire.store import StoreGroup
 
+from .conftest import CREDENTIALS, make_bucket
 from .train_sites import CONFIG, KEY, SITES, run_gloo, run_store
 
 ON_TIME_S = 60.0         # no site misses a round
 TIMEOUT_S = 3.0          # the late runs' round_timeout
 LATE_S = 4.5             # past the deadline, and back within the next round's
-LATE = {"demo": (1, 3), "sparseloco": (1, 4)}      # (rank, step): site-b, a DeMo step, a SparseLoCo sync
-ROUND_OF = {"demo": 3, "sparseloco": 2}            # round 0 is the handshake; SparseLoCo syncs every 2nd step
+KINDS = ["demo", "demo-bf16", "demo-overlap", "sparseloco", "sparseloco-2bit", "sparseloco-flat", "diloco-bf16",
+         "diloco-int8"]
+SYNCS = ["sparseloco", "sparseloco-2bit", "sparseloco-flat", "diloco-bf16", "diloco-int8"]
+LATE = {"demo": (1, 3), **{kind: (1, 4) for kind in SYNCS}}
+ROUND_OF = {"demo": 3, **{kind: 2 for kind in SYNCS}}
+KEPT_IN = {"demo": "momentum", "sparseloco": "error", "diloco": "sync_error"}
+# LATE: (rank, step): site-b at a DeMo step, at a SparseLoCo sync; ROUND_OF: that step's round
+# (round 0 is the handshake; SparseLoCo syncs every 2nd step)
+EXACT = ("demo", "sparseloco")                     # fp32 values: what the late site kept is exact
 
 
 def tensors(entry: dict) -> list[torch.Tensor]:
@@ -38,10 +47,10 @@ def runs(tmp_path_factory):
     def both(kind):
         url = tmp_path_factory.mktemp(kind).as_uri()
         return run_gloo(kind), run_store(kind, url, ON_TIME_S)
-    return {kind: both(kind) for kind in ("demo", "demo-bf16", "sparseloco", "sparseloco-2bit")}
+    return {kind: both(kind) for kind in KINDS}
 
 
-@pytest.mark.parametrize("kind", ["demo", "demo-bf16", "sparseloco", "sparseloco-2bit"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_on_time_store_run_is_bit_identical_to_gloo(runs, kind):
     gloo, store = runs[kind]
     for rank in range(len(SITES)):
@@ -52,6 +61,15 @@ def test_on_time_store_run_is_bit_identical_to_gloo(runs, kind):
     assert all(torch.equal(x, y) for x, y in zip(*last, strict=True))
 
 
+def test_demo_through_an_s3_api_server_is_bit_identical_to_gloo(runs, s3_endpoint):
+    options = {"endpoint": s3_endpoint, **CREDENTIALS}
+    store = run_store("demo", f"s3://{make_bucket(s3_endpoint)}/run-1", ON_TIME_S, options=options)
+    gloo, _ = runs["demo"]
+    for rank in range(len(SITES)):
+        assert_identical(gloo[rank]["history"], store[rank]["history"])
+        assert store[rank]["missed"] == []
+
+
 @pytest.fixture(scope="module")
 def late_runs(tmp_path_factory):
     def late(kind):
@@ -60,30 +78,41 @@ def late_runs(tmp_path_factory):
     return {kind: late(kind) for kind in LATE}
 
 
-def held_back(late: torch.Tensor, on_time: torch.Tensor) -> torch.Tensor:
-    """Where the late site's state differs from the on-time run's: exactly where its message
-    was taken out (zero in the on-time run: fp32 values, x - x) and went back in (x)."""
+def held_back(kind: str, late: torch.Tensor, on_time: torch.Tensor) -> int:
+    """How many elements of the late site's state differ from the on-time run's: where its
+    message was taken out and went back in. Exact (fp32 values): zero in the on-time run
+    (x - x) there. SparseLoCo 2-bit: at most the values its message carries. DiLoCo bf16:
+    the on-time run keeps x - bf16(x), the late one x itself."""
     differs = late != on_time
-    assert differs.any() and (on_time[differs] == 0).all()
-    return differs
+    assert differs.any()
+    if kind in EXACT:
+        assert (on_time[differs] == 0).all()
+    elif kind == "diloco-bf16":
+        assert torch.equal(on_time, late - late.bfloat16().float())
+    elif kind.startswith("sparseloco"):
+        compressor = SparseLoCoTopK(topk=4, chunk=8)                  # train_sites' settings
+        plan = compressor.plan(on_time.shape)
+        assert int(differs.sum()) <= compressor.k(on_time.shape) * plan.padded_numel // plan.chunk_elems
+    return int(differs.sum())
 
 
-@pytest.mark.parametrize("kind", ["demo", "sparseloco"])
+@pytest.mark.parametrize("kind", list(LATE))
 def test_a_late_site_is_left_out_and_keeps_its_message(runs, late_runs, kind):
     _, on_time = runs[kind]
     sites = late_runs[kind]
     rank, step = LATE[kind]
-    at, key = step - 1, "momentum" if kind == "demo" else "error"    # history index of `step`; what keeps it
+    at, key = step - 1, KEPT_IN[kind.split("-")[0]]                  # history index of `step`; what keeps it
     assert sites[rank]["missed"] == [ROUND_OF[kind]] and sites[1 - rank]["missed"] == []
-    for a, b in zip(sites[0]["history"], sites[1]["history"], strict=True):      # replicas, every step
-        if kind == "demo":
+    for i, (a, b) in enumerate(zip(sites[0]["history"], sites[1]["history"], strict=True)):   # replicas
+        if kind == "demo" or i % 2:                                     # every DeMo step, every sync
             assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
-        else:                                                           # θ₀ (θ between syncs is local)
+        if kind != "demo":                                              # θ₀, every step
             assert all(torch.equal(x["anchor"], y["anchor"]) for x, y in zip(a["state"], b["state"], strict=True))
     for r in range(len(SITES)):                                         # nothing differs before the late round
         assert_identical(sites[r]["history"][:at], on_time[r]["history"][:at])
     late = [s[key] for s in sites[rank]["history"][at]["state"]]
-    assert sum(int(held_back(x, y).sum()) for x, y in zip(late, [s[key] for s in on_time[rank]["history"][at]["state"]]))
+    on_time_state = [s[key] for s in on_time[rank]["history"][at]["state"]]
+    assert sum(held_back(kind, x, y) for x, y in zip(late, on_time_state, strict=True))
     other = [s[key] for s in sites[1 - rank]["history"][at]["state"]]   # the on-time site's sent as always
     assert all(torch.equal(x, s[key]) for x, s in zip(other, on_time[1 - rank]["history"][at]["state"]))
     # the on-time site's message alone moved the replicas: not where both messages moved them
@@ -94,7 +123,7 @@ def test_a_late_site_is_left_out_and_keeps_its_message(runs, late_runs, kind):
 def test_optimizers_that_cannot_keep_a_missed_message_refuse_the_store(tmp_path):
     group = StoreGroup(tmp_path.as_uri(), SITES[0], SITES, KEY, CONFIG)
     params = [torch.nn.Parameter(torch.zeros(4, 4))]
-    makes = {"DiLoCo": lambda: thinwire.DiLoCo(params, process_group=group, wire="bf16"),
+    makes = {"DiLoCo": lambda: thinwire.DiLoCo(params, process_group=group),          # wire='fp32': all_reduce
              "LoRDO": lambda: thinwire.LoRDO(params, process_group=group),
              "DenseAllReduce": lambda: thinwire.DenseAllReduce(torch.optim.SGD(params), process_group=group),
              "APMSqueeze": lambda: thinwire.APMSqueeze(params, lr=1e-3, warmup_steps=10, process_group=group),

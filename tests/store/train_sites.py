@@ -1,7 +1,7 @@
 """A tiny model trained by DeMo or SparseLoCo on 2 sites, over gloo or through a store.
 
     run_gloo(kind)                                  # tests.dist: 2 gloo processes
-    run_store(kind, url, round_timeout, late=None)  # 2 processes sharing only the store
+    run_store(kind, url, round_timeout, late=None, options=None)  # 2 processes sharing only the store
     late = (rank, step, seconds): that site sleeps before its step() of `step`
 
 Each returns, per rank, {'history': [per step: params, optimizer state], 'stats', 'missed'}.
@@ -28,15 +28,22 @@ SETTINGS = {
     # identity transform and fp32 values: what a late site keeps is exact (x - x + x = x)
     "demo": dict(lr=1e-2, topk=4, chunk=8, transform="identity", values="fp32"),
     "demo-bf16": dict(lr=1e-2, topk=4, chunk=8),
+    "demo-overlap": dict(lr=1e-2, topk=4, chunk=8, overlap=True),    # two rounds in flight at once
     "sparseloco": dict(sync_every=2, topk=4, chunk=8, values="fp32"),
     "sparseloco-2bit": dict(sync_every=2, topk=4, chunk=8),
+    "sparseloco-flat": dict(sync_every=2, topk=4, chunk=8),       # the per-tensor path (grouped False)
+    "diloco-bf16": dict(sync_every=2, wire="bf16"),
+    "diloco-int8": dict(sync_every=2, wire="int8"),
 }
-STEPS = {"demo": 4, "demo-bf16": 4, "sparseloco": 6, "sparseloco-2bit": 6}
+STEPS = {kind: 4 if kind.startswith("demo") else 6 for kind in SETTINGS}
+CLASSES = {"demo": thinwire.DeMo, "sparseloco": thinwire.SparseLoCo, "diloco": thinwire.DiLoCo}
 
 
 def make(kind: str, params, group):
-    cls = thinwire.DeMo if kind.startswith("demo") else thinwire.SparseLoCo
-    return cls(params, process_group=group, **SETTINGS[kind])
+    opt = CLASSES[kind.split("-")[0]](params, process_group=group, **SETTINGS[kind])
+    if kind.startswith("sparseloco"):
+        opt.grouped = not kind.endswith("-flat")
+    return opt
 
 
 def train(rank: int, world_size: int, kind: str, group=None, late=None) -> dict:
@@ -55,6 +62,7 @@ def train(rank: int, world_size: int, kind: str, group=None, late=None) -> dict:
         history.append({"params": [p.detach().clone() for p in params],
                         "state": [{k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
                                   for p in params]})
+    opt.flush()                                            # overlap: the last step's exchange lands
     missed = None if group is None else group.missed_rounds
     return {"history": history, "stats": opt.comm_stats.as_dict(), "missed": missed}
 
@@ -64,23 +72,25 @@ def run_gloo(kind: str) -> list[dict]:
     return run_workers(train, world_size=2, args=(kind,))
 
 
-def _site_main(rank: int, tmpdir: str, kind: str, url: str, round_timeout: float, late) -> None:
+def _site_main(rank: int, tmpdir: str, kind: str, url: str, round_timeout: float, late, options) -> None:
     torch.set_num_threads(1)
     path = os.path.join(tmpdir, f"result{rank}.pt")
     try:
         group = StoreGroup(url, SITES[rank], SITES, KEY, CONFIG, round_timeout, join_timeout=120.0,
-                           poll=(0.01, 0.1))
+                           poll=(0.01, 0.1), options=options)
         torch.save(("ok", train(rank, len(SITES), kind, group, late)), path)
     except BaseException:
         torch.save(("error", traceback.format_exc()), path)
     exit_process(0)
 
 
-def run_store(kind: str, url: str, round_timeout: float, late=None, timeout: float = 180.0) -> list[dict]:
-    """One process per site, sharing nothing but the store at `url`."""
+def run_store(kind: str, url: str, round_timeout: float, late=None, options: dict | None = None,
+              timeout: float = 180.0) -> list[dict]:
+    """One process per site, sharing nothing but the store at `url` (`options`: its S3 settings)."""
     ctx = mp.get_context(start_method())
     with tempfile.TemporaryDirectory() as tmpdir:
-        procs = [ctx.Process(target=_site_main, args=(r, tmpdir, kind, url, round_timeout, late), daemon=True)
+        procs = [ctx.Process(target=_site_main, args=(r, tmpdir, kind, url, round_timeout, late, options or {}),
+                             daemon=True)
                  for r in range(len(SITES))]
         for proc in procs:
             proc.start()

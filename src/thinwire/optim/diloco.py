@@ -42,6 +42,7 @@ class DiLoCo(PeriodicAveraging):
         sync_every: H, local steps between syncs (default 32; papers use 20-500).
         outer_lr, outer_momentum: Nesterov outer SGD (defaults 0.7 and 0.9, as published).
         wire: 'fp32' (default) | 'bf16' | 'int8' for the pseudo-gradient, with error feedback.
+            'bf16' and 'int8' may go through the store (`process_group=StoreGroup(...)`).
         nonfinite: 'raise' (default) or 'skip' when any rank's gradients are not finite; see
             `thinwire.optim.periodic`. With a fused inner optimizer (`inner=lambda p:
             torch.optim.AdamW(p, fused=True)`) a bad local step is skipped on the device
@@ -56,6 +57,19 @@ class DiLoCo(PeriodicAveraging):
     """
 
     kind = "diloco"
+
+    @property
+    def STORE_EXCHANGE(self) -> bool:             # noqa: N802 (the class attribute of the other optimizers)
+        """The lossy wires are one GatherAll and e ← x keeps a message that missed (`_keep_own`);
+        'fp32' is an all_reduce, which the store does not carry."""
+        return self.wire != "fp32"
+
+    def _keep_own(self, step: int, layout: list[Member], exchange) -> None:
+        """This rank's sync message missed the store round: the landing commits e ← x = Δ + e
+        (exactly what it encoded) instead of x − decode(encode(x)), so its whole Δ goes out
+        with the next sync; θ₀ and θ move with the others' messages, as on every site."""
+        n = sum(m.param.numel() for m in layout)
+        self._unsent[:n].copy_(self._x[:n])
 
     def __init__(self, params, inner=None, sync_every: int = 32, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, wire: str = "fp32", nonfinite: str = "raise", process_group=None,

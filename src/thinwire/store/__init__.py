@@ -21,7 +21,7 @@ and `s3://bucket/prefix` (S3, R2, MinIO, ...; `pip install thinwire[store]`).
         log(result.late, result.rejected, result.traffic.as_dict())
 
 An optimizer exchanges through the store where it takes a process group (`StoreGroup`:
-DeMo and SparseLoCo; the others refuse it):
+DeMo, SparseLoCo, DiLoCo with a lossy wire; the others refuse it):
 
     opt = thinwire.DeMo(params, process_group=StoreGroup(url, site, sites, key, fingerprint))
 

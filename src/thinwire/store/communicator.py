@@ -1,5 +1,5 @@
-"""The store exchange as an optimizer's process group: DeMo and SparseLoCo across sites that
-reach each other only through an object store.
+"""The store exchange as an optimizer's process group: DeMo, SparseLoCo and DiLoCo (wire 'bf16'
+or 'int8') across sites that reach each other only through an object store.
 
     from thinwire.store import StoreGroup
 
@@ -74,7 +74,8 @@ def communicator_for(optimizer, process_group):
         raise ValueError(
             f"{type(optimizer).__name__} cannot exchange through the store: a store round may leave a late "
             "site's message out, and only an optimizer whose every exchange is one all_gather and whose "
-            "error feedback keeps the message that missed (DeMo, SparseLoCo) can promise to lose nothing; "
+            "error feedback keeps the message that missed (DeMo, SparseLoCo, DiLoCo with wire='bf16' or "
+            "'int8') can promise to lose nothing; "
             "use a torch.distributed process group (docs/design.md, 'The store exchange')")
     return process_group.communicator()
 
