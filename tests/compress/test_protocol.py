@@ -80,6 +80,9 @@ def test_malformed_payloads_raise(case, shape):
         # for most, also an index out of range or a bitmap with too many positions
         "all ones": torch.full_like(buf, 0xFF),
     }
+    if comp.codec.name == "signbit" if isinstance(comp, ChunkedTopK) else False:
+        # every bit pattern is a sign: all ones is malformed only where it puts an index out of range
+        del bad["all ones"]
     for what, b in bad.items():
         with pytest.raises(ValueError, match="malformed|non-finite|out of range|bitmap"):
             comp.decode(b, shape, SEED)
@@ -92,4 +95,11 @@ def test_every_value_format_is_covered():
     ef21_formats = {spec.split("+")[1] if "+" in spec else ("natural" if spec == "natural" else "fp32")
                     for spec in EF21_SPECS}
     assert chunked_formats == set(CODEC_NAMES)
-    assert ef21_formats == set(VALUE_FORMATS)
+    assert ef21_formats == set(VALUE_FORMATS) - {"signbit"}          # refused: below
+
+
+@pytest.mark.parametrize("spec", ["topk:0.2+signbit", "dct-topk:4:4+signbit"])
+def test_ef21_refuses_unscaled_signs(spec):
+    """'signbit' (SignDeMo's ±1) keeps no magnitude, so no EF21 compressor can use it."""
+    with pytest.raises(ValueError, match="signbit"):
+        parse_compressor(spec)

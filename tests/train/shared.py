@@ -22,7 +22,7 @@ TINY = ("--preset", "tiny", "--workers", "2", "--steps", str(STEPS), "--sync-eve
 TINY_OPTIMIZERS = ("adamw", "powersgd", "demo",                                  # test_cli.py; adamw: the baseline
                    "adamw-allreduce", "demo-overlap", "demo-lookahead",         # test_overlap_harness.py
                    "adam", "apmsqueeze", "muon", "ef21-muon", "lordo", "diloco",  # test_compare_all.py, with adamw
-                   "sparseloco", "sparseloco-delayed")
+                   "sparseloco", "sparseloco-delayed", "sign-demo")             # sign-demo: test_compare_all.py
 
 # test_faults.py's runs; the same DeMo run never interrupted is test_checkpoint.py's too (its TINY)
 TRAIN = ["--preset", "tiny", "--steps", "8", "--eval-every", "4", "--eval-rows", "16", "--workers", "2",

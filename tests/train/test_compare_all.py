@@ -7,9 +7,12 @@ import math
 
 import pytest
 
+from tests.optim.registry import scale_slots
 from tests.train.shared import COMPRESSED_AFTER, STEPS, SYNC_EVERY
 from thinwire.comm.collectives import padded_numel
 from thinwire.optim.exchange import gather_parts
+from thinwire.train.config import get_preset
+from thinwire.train.model import build_model
 from thinwire.train.optimizers import OPTIMIZERS
 
 NAMES = ("adam", "apmsqueeze", "muon", "ef21-muon", "adamw", "lordo", "diloco")
@@ -29,10 +32,10 @@ def run(tiny_compare):
 
 
 def test_every_registered_optimizer_is_compared():
-    overlap = {f"{n}-overlap" for n in ("demo", "ef21-muon", "apmsqueeze", "lordo", "diloco", "sparseloco")}
+    overlap = {f"{n}-overlap" for n in ("demo", "ef21-muon", "apmsqueeze", "lordo", "diloco", "sparseloco", "sign-demo")}
     others = {"powersgd", "demo", "adamw-allreduce", "adam-allreduce", "demo-lookahead"}   # test_cli.py, test_overlap_harness.py
     delayed = {"diloco-delayed", "sparseloco-delayed"}                  # sparseloco-delayed: below
-    assert set(OPTIMIZERS) == set(NAMES) | {"sparseloco"} | others | overlap | delayed
+    assert set(OPTIMIZERS) == set(NAMES) | {"sparseloco", "sign-demo"} | others | overlap | delayed
 
 
 def test_each_trains(run):
@@ -55,8 +58,11 @@ def test_apmsqueeze_dense_warmup_then_one_bit(run):
     assert apm[0]["payload_bytes"] == dense + HANDSHAKE
     assert all(s["payload_bytes"] == dense and s["collectives"] == 1 for s in apm[1:WARMUP])
     n, w = padded_numel(N_PARAMS, 2), 2
+    # scale='tensor': 4 bytes per tensor part of a chunk (registry.scale_slots, from the tensors' sizes)
+    sizes = [p.numel() for p in build_model(get_preset("tiny")).parameters()]
+    scales = 4 * scale_slots(w, sizes)
     # all_to_all of the signs bound for the peer (the own chunk stays local), all_gather of chunks
-    one_bit = (w - 1) * (PREFIX + 4 + n // (8 * w)) + 4 + n // (8 * w)
+    one_bit = (w - 1) * (PREFIX + scales + n // (8 * w)) + scales + n // (8 * w)
     assert all(s["payload_bytes"] == one_bit and s["collectives"] == 2 for s in apm[WARMUP:])
     # on the wire 1/32 of fp32 per phase, two phases vs the ring all-reduce's two passes
     dense_link = steps["adam"][-1]["link_bytes_sent"]
@@ -124,3 +130,13 @@ def test_sparseloco_delayed_sends_the_same_syncs_and_trains(tiny_compare):
         [(s["payload_bytes"], s["collectives"]) for s in plain]
     assert delayed[0]["loss"] > 5.0 and tiny_compare["rows"]["sparseloco-delayed"]["val_loss"] < 5.0
     assert tiny_compare["rows"]["sparseloco-delayed"]["val_loss"] != tiny_compare["rows"]["sparseloco"]["val_loss"]
+
+
+def test_sign_demo_trains_on_a_fraction_of_demos_bytes(tiny_compare):
+    """SignDeMo (top 4 of 64 x 64: a 12-bit index and a sign bit, 13 bits a coefficient, no scale) against DeMo in
+    the same run (top 32, bf16 values: 28 bits a coefficient): at least 8x fewer payload bytes
+    a step, and its loss falls from the first step's."""
+    logs = tiny_compare["logs"]
+    sign, demo = logs["sign-demo"]["step"], logs["demo"]["step"]
+    assert sign[-1]["payload_bytes"] * 8 <= demo[-1]["payload_bytes"]
+    assert tiny_compare["rows"]["sign-demo"]["val_loss"] < sign[0]["loss"] - 0.5

@@ -18,7 +18,7 @@ from thinwire.train.report import add_limits, format_table, summarize
 
 V, C, T = 256, 64, 32                        # tiny preset: vocab, width, context (one block)
 N_PARAMS = V * C + T * C + 12 * C * C + 3 * C
-VARIANTS = ("demo", "ef21-muon", "apmsqueeze", "lordo", "diloco")
+VARIANTS = ("demo", "ef21-muon", "apmsqueeze", "lordo", "diloco", "sign-demo")
 
 
 def test_overlap_entries_and_refusals():

@@ -27,8 +27,9 @@ class DctTopK(EF21Compressor):
 
     def __init__(self, topk: int = 32, chunk: int = 64, values: str = "fp32"):
         topk, chunk = check_count(topk, "dct-topk k"), check_count(chunk, "dct-topk chunk")
-        if values not in CODEC_NAMES:
-            raise ValueError(f"dct-topk values must be one of {CODEC_NAMES}, got {values!r}")
+        if values not in CODEC_NAMES or values == "signbit":          # ±1 keeps no magnitude: not contractive
+            raise ValueError(f"dct-topk values must be one of {tuple(n for n in CODEC_NAMES if n != 'signbit')}, "
+                             f"got {values!r}")
         self.inner = ChunkedTopK(topk, chunk, "dct", values)
         self.value_format = values
 

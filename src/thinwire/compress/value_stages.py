@@ -28,7 +28,8 @@ import torch
 
 from ..wire import VALUE_FORMATS, get_codec, pack_signs, packed_nbytes, unpack_signs
 
-VALUE_STAGES: tuple[str, ...] = tuple(VALUE_FORMATS)
+# every value format but 'signbit', whose ±1 keeps no magnitude: an EF21 compressor must be contractive
+VALUE_STAGES: tuple[str, ...] = tuple(name for name in VALUE_FORMATS if name != "signbit")
 _MANTISSA = 1 << 23
 
 
