@@ -13,7 +13,7 @@ import torch
 
 import thinwire
 from thinwire.compress import SparseLoCoTopK
-from thinwire.store import StoreGroup
+from thinwire.store import ExchangeError, StoreGroup
 
 from .conftest import CREDENTIALS, make_bucket
 from .train_sites import CONFIG, KEY, SITES, run_gloo, run_store
@@ -132,3 +132,24 @@ def test_optimizers_that_cannot_keep_a_missed_message_refuse_the_store(tmp_path)
     for name, make in makes.items():
         with pytest.raises(ValueError, match=f"{name} cannot exchange through the store"):
             make()
+
+
+def test_a_handshake_needs_every_site(tmp_path):
+    """Alone in a 2-site run, a site's first step finds nobody at its handshake round."""
+    group = StoreGroup(tmp_path.as_uri(), SITES[0], SITES, KEY, CONFIG, join_timeout=0.2, poll=(0.01, 0.05))
+    param = torch.nn.Parameter(torch.ones(8, 8))
+    opt = thinwire.DeMo([param], topk=4, chunk=8, process_group=group)
+    param.grad = torch.ones(8, 8)
+    with pytest.raises(ExchangeError, match=r"a handshake\): site\(s\) \['site-b'\] did not join"):
+        opt.step()
+    assert group.missed_rounds == [] and group.results[0].late == ("site-b",)
+
+
+def test_a_late_site_with_nonfinite_gradients_stops_and_the_other_goes_on(tmp_path):
+    """Nobody saw the late site's flag: the other site applied the step without it, so the
+    late one has nothing to keep and cannot follow; it raises, the other finishes."""
+    rank, step = LATE["demo"]
+    sites = run_store("demo", tmp_path.as_uri(), TIMEOUT_S, (rank, step, LATE_S, "nan"), raises=True)
+    assert isinstance(sites[rank], str) and "NonFiniteGradientError" in sites[rank]
+    assert "missed the store round" in sites[rank]
+    assert len(sites[1 - rank]["history"]) == 4 and sites[1 - rank]["missed"] == []

@@ -3,6 +3,7 @@
     run_gloo(kind)                                  # tests.dist: 2 gloo processes
     run_store(kind, url, round_timeout, late=None, options=None)  # 2 processes sharing only the store
     late = (rank, step, seconds): that site sleeps before its step() of `step`
+    late = (rank, step, seconds, "nan"): and its gradients are not finite there
 
 Each returns, per rank, {'history': [per step: params, optimizer state], 'stats', 'missed'}.
 Both runs call `train` with the same model, data and settings; only the process group differs.
@@ -58,6 +59,8 @@ def train(rank: int, world_size: int, kind: str, group=None, late=None) -> dict:
         torch.nn.functional.mse_loss(model(x), y).backward()
         if late is not None and late[:2] == (rank, step):
             time.sleep(late[2])                            # past the others' round deadline
+            if len(late) > 3 and late[3] == "nan":         # and with non-finite gradients
+                params[0].grad.fill_(float("nan"))
         opt.step()
         history.append({"params": [p.detach().clone() for p in params],
                         "state": [{k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
@@ -85,8 +88,9 @@ def _site_main(rank: int, tmpdir: str, kind: str, url: str, round_timeout: float
 
 
 def run_store(kind: str, url: str, round_timeout: float, late=None, options: dict | None = None,
-              timeout: float = 180.0) -> list[dict]:
-    """One process per site, sharing nothing but the store at `url` (`options`: its S3 settings)."""
+              timeout: float = 180.0, raises: bool = False) -> list:
+    """One process per site, sharing nothing but the store at `url` (`options`: its S3 settings).
+    raises=True: a site that raised gives its traceback (a str) instead of failing the call."""
     ctx = mp.get_context(start_method())
     with tempfile.TemporaryDirectory() as tmpdir:
         procs = [ctx.Process(target=_site_main, args=(r, tmpdir, kind, url, round_timeout, late, options or {}),
@@ -107,7 +111,7 @@ def run_store(kind: str, url: str, round_timeout: float, late=None, options: dic
                 errors.append(f"site {r}: hung or died (exit code {procs[r].exitcode})")
                 continue
             status, value = torch.load(path, weights_only=False)
-            if status == "error":
+            if status == "error" and not raises:
                 errors.append(f"site {r} raised:\n{value}")
             results.append(value)
         assert not errors, "\n".join(errors)
