@@ -57,6 +57,7 @@ CASES = {
     "apm-warmup-overlap": (lambda ps: thinwire.APMSqueeze(ps, lr=1e-2, warmup_steps=1000, overlap=True), 7, False),
     "apm-overlap": (lambda ps: thinwire.APMSqueeze(ps, lr=1e-2, warmup_steps=5, overlap=True), 7, False),
     "demo-lookahead": (lambda ps: thinwire.DeMo(ps, **DEMO, overlap=True, lookahead="momentum"), 7, False),
+    "sign-demo": (lambda ps: thinwire.SignDeMo(ps, lr=0.01, topk=8, chunk=16), 7, False),    # declares momentum per rank
 }
 REFUSED = ("apm-overlap", "demo-lookahead")
 
@@ -196,6 +197,9 @@ def _check_state(name: str, olds: list[dict], new: dict, j: int) -> None:
                 assert torch.allclose(new["state"][pid]["momentum"], expected, rtol=0, atol=1e-9)
             else:
                 _eq(new["state"][pid]["momentum"], expected)
+    elif name == "sign-demo":                           # its only state: each rank's momentum, mixed
+        for pid in first["state"]:
+            _eq(new["state"][pid]["momentum"], _mixed([o["state"][pid]["momentum"] for o in olds], a_row))
     elif name.startswith("apm"):
         errors, here = [o["apmsqueeze"] for o in olds], new["apmsqueeze"]
         assert (here["world_size"], here["rank"]) == (new_world, j)
