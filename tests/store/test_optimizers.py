@@ -153,3 +153,15 @@ def test_a_late_site_with_nonfinite_gradients_stops_and_the_other_goes_on(tmp_pa
     assert isinstance(sites[rank], str) and "NonFiniteGradientError" in sites[rank]
     assert "missed the store round" in sites[rank]
     assert len(sites[1 - rank]["history"]) == 4 and sites[1 - rank]["missed"] == []
+
+
+@pytest.mark.parametrize("kind", ["demo", "demo-overlap"])
+def test_a_site_two_rounds_behind_catches_up_from_their_manifests(tmp_path, kind):
+    """Asleep past two deadlines: it finds both rounds closed, applies what their manifests
+    hold, keeps both its messages, and is back in the third (DeMo with overlap: two rounds in
+    flight while it catches up)."""
+    rank, step = 1, 2
+    sites = run_store(kind, tmp_path.as_uri(), TIMEOUT_S, (rank, step, 2.5 * TIMEOUT_S))
+    assert sites[rank]["missed"] == [2, 3] and sites[1 - rank]["missed"] == []
+    for a, b in zip(sites[0]["history"], sites[1]["history"], strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
