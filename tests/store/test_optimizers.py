@@ -24,11 +24,12 @@ ON_TIME_S = 60.0         # no site misses a round
 TIMEOUT_S = 3.0          # the late runs' round_timeout
 LATE_S = 4.5             # past the deadline, and back within the next round's
 KINDS = ["demo", "demo-bf16", "demo-overlap", "sparseloco", "sparseloco-2bit", "sparseloco-flat", "diloco-bf16",
-         "diloco-int8"]
+         "diloco-int8", "sign-demo"]
 SYNCS = ["sparseloco", "sparseloco-2bit", "sparseloco-flat", "diloco-bf16", "diloco-int8"]
-LATE = {"demo": (1, 3), **{kind: (1, 4) for kind in SYNCS}}
-ROUND_OF = {"demo": 3, **{kind: 2 for kind in SYNCS}}
-KEPT_IN = {"demo": "momentum", "sparseloco": "error", "diloco": "sync_error"}
+EVERY_STEP = ("demo", "sign-demo")                # an exchange every step
+LATE = {**{kind: (1, 3) for kind in EVERY_STEP}, **{kind: (1, 4) for kind in SYNCS}}
+ROUND_OF = {**{kind: 3 for kind in EVERY_STEP}, **{kind: 2 for kind in SYNCS}}
+KEPT_IN = {"demo": "momentum", "sparseloco": "error", "diloco": "sync_error", "sign": "momentum"}
 # LATE: (rank, step): site-b at a DeMo step, at a SparseLoCo sync; ROUND_OF: that step's round
 # (round 0 is the handshake; SparseLoCo syncs every 2nd step)
 EXACT = ("demo", "sparseloco")                     # fp32 values: what the late site kept is exact
@@ -107,9 +108,9 @@ def test_a_late_site_is_left_out_and_keeps_its_message(runs, late_runs, kind):
     at, key = step - 1, KEPT_IN[kind.split("-")[0]]                  # history index of `step`; what keeps it
     assert sites[rank]["missed"] == [ROUND_OF[kind]] and sites[1 - rank]["missed"] == []
     for i, (a, b) in enumerate(zip(sites[0]["history"], sites[1]["history"], strict=True)):   # replicas
-        if kind == "demo" or i % 2:                                     # every DeMo step, every sync
+        if kind in EVERY_STEP or i % 2:                                 # every DeMo step, every sync
             assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
-        if kind != "demo":                                              # θ₀, every step
+        if kind not in EVERY_STEP:                                      # θ₀, every step
             assert all(torch.equal(x["anchor"], y["anchor"]) for x, y in zip(a["state"], b["state"], strict=True))
     for r in range(len(SITES)):                                         # nothing differs before the late round
         assert_identical(sites[r]["history"][:at], on_time[r]["history"][:at])
@@ -130,8 +131,7 @@ def test_optimizers_that_cannot_keep_a_missed_message_refuse_the_store(tmp_path)
              "LoRDO": lambda: thinwire.LoRDO(params, process_group=group),
              "DenseAllReduce": lambda: thinwire.DenseAllReduce(torch.optim.SGD(params), process_group=group),
              "APMSqueeze": lambda: thinwire.APMSqueeze(params, lr=1e-3, warmup_steps=10, process_group=group),
-             "EF21Muon": lambda: thinwire.EF21Muon(params, process_group=group),
-             "SignDeMo": lambda: thinwire.SignDeMo(params, process_group=group)}
+             "EF21Muon": lambda: thinwire.EF21Muon(params, process_group=group)}
     for name, make in makes.items():
         with pytest.raises(ValueError, match=f"{name} cannot exchange through the store"):
             make()

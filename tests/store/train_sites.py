@@ -35,9 +35,10 @@ SETTINGS = {
     "sparseloco-flat": dict(sync_every=2, topk=4, chunk=8),       # the per-tensor path (grouped False)
     "diloco-bf16": dict(sync_every=2, wire="bf16"),
     "diloco-int8": dict(sync_every=2, wire="int8"),
+    "sign-demo": dict(lr=1e-2, topk=4, chunk=8),                     # signs only: M keeps the exact values
 }
-STEPS = {kind: 4 if kind.startswith("demo") else 6 for kind in SETTINGS}
-CLASSES = {"demo": thinwire.DeMo, "sparseloco": thinwire.SparseLoCo, "diloco": thinwire.DiLoCo}
+STEPS = {kind: 4 if kind.startswith(("demo", "sign-demo")) else 6 for kind in SETTINGS}
+CLASSES = {"demo": thinwire.DeMo, "sparseloco": thinwire.SparseLoCo, "diloco": thinwire.DiLoCo, "sign": thinwire.SignDeMo}
 
 
 def make(kind: str, params, group):

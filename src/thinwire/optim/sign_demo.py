@@ -54,6 +54,7 @@ class SignDeMo(CommunicatingOptimizer):
     """
 
     ELASTIC_KINDS = {"momentum": PER_RANK}         # error feedback: each rank's own unsent momentum
+    STORE_EXCHANGE = True          # one GatherAll per step; a message that missed a round returns to M
 
     def __init__(self, params, lr: float = 1e-3, beta: float = 0.999, topk: int = 4, chunk: int = 64,
                  weight_decay: float = 0.0, aggregate: str = "senders", nonfinite: str = "raise",
@@ -128,6 +129,10 @@ class SignDeMo(CommunicatingOptimizer):
             self._arrived.append([read for read, _ in got])                     # rank order
             flags += [f for _, fs in got for f in fs]
         return flags
+
+    def _keep_own(self, step: int, layout: list[Member], exchange: GatherAll) -> None:
+        """This rank's message missed the store round: M ← M + T⁻¹(Q_i), as for a flagged step."""
+        self._discard(step, layout, exchange)
 
     def _apply(self, step: int, layout: list[Member], delivery) -> None:
         """Δ = T⁻¹(mean of the ranks' signs); θ ← θ(1 − ηλ) − η sign(Δ), where some rank had a gradient."""
