@@ -72,6 +72,12 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-adamw-probe", action="store_true",
                    help="do not time dense AdamW's step on a copy of the model in each run (its memory and "
                         "about 3 steps per evaluation): no ratio to AdamW's limit in the limits table's last column")
+    p.add_argument("--exchange", metavar="URL", help="the optimizer's messages through this store instead of "
+                   "torch.distributed, each worker a site: file:///folder or s3://bucket/prefix (s3: the [store] "
+                   "extra; endpoint and credentials from AWS_* variables); agreed rounds, signed messages")
+    p.add_argument("--round-timeout", type=float, default=90.0, metavar="SECONDS",
+                   help="with --exchange: how long a round waits for every worker before it closes without the "
+                        "late ones, who keep their messages for the next (default 90)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--overlap", action="store_true", default=None, help=FIELD_HELP["overlap"])
     for name in _OVERRIDES:
@@ -122,7 +128,8 @@ def options_from_args(args):
                       data_cache=args.data_cache, quiet=args.quiet, checkpoint=train,
                       checkpoint_every=args.checkpoint_every if train else 0,
                       peer_timeout=args.peer_timeout if train else None, dense_steps=args.dense_steps,
-                      adamw_probe=not args.no_adamw_probe)
+                      adamw_probe=not args.no_adamw_probe, exchange=args.exchange,
+                      round_timeout=args.round_timeout)
 
 
 def _train_or_compare(args) -> None:
@@ -189,6 +196,9 @@ def torchrun_main(argv=None) -> None:
     if args.link:
         raise SystemExit("thinwire: error: --link emulates links between local workers; under torchrun "
                          "the links are real (use `thinwire train --link ...` without torchrun)")
+    if args.exchange:               # every rank would need the one signing key `compare` draws
+        raise SystemExit("thinwire: error: --exchange runs under thinwire's own launcher for now, not torchrun "
+                         "(use `thinwire train --exchange ...`)")
     if cfg.sites:
         from .config import check_sites
         world, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", 0))

@@ -132,6 +132,16 @@ class RunOptions:
     """Dense AdamW's steps to `target`, from its own run, for a table without it: each row's time
     is then divided by these steps x AdamW's step timed in that row's run (report.add_limits)."""
 
+    exchange: str | None = None
+    """A store URL (file:///folder, s3://bucket/prefix): each worker a site whose optimizer's
+    messages go through it, in agreed rounds (train/store_runs.py); None: torch.distributed."""
+
+    round_timeout: float = 90.0
+    """With `exchange`: seconds a round waits for every site before it closes without the late."""
+
+    exchange_key: str | None = None
+    """With `exchange`: the hex key that signs every message, drawn once per command."""
+
     @property
     def writes_checkpoints(self) -> bool:
         """Whether the run checkpoints and resumes: `checkpoint` with an `out_dir`."""

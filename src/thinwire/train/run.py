@@ -25,6 +25,7 @@ from .data import check_corpus, load_corpus
 from .launch import launch
 from .optimizers import OPTIMIZERS, get_optimizer, learning_rate
 from .report import DENSE_ADAMW, add_limits, format_table, plot, read_log, summarize
+from .store_runs import check_exchange, with_key
 from .worker import process_started, train_worker
 
 DEFAULT_LATENCY_S = 1e-3
@@ -100,6 +101,8 @@ def compare(cfg: TrainConfig, optimizers: list[str], options: RunOptions | None 
     workers = cfg.workers if opts.workers is None else opts.workers
     cfg, opts = prepare(cfg, opts)
     check_run(cfg, optimizers, workers, opts.data)
+    check_exchange(cfg, optimizers, opts)
+    opts = with_key(opts)
     if opts.checkpoint_every and not opts.checkpoint:
         raise ValueError("--checkpoint-every belongs to `thinwire train` (one optimizer per run)")
     if opts.peer_timeout is not None and opts.peer_timeout <= 0:

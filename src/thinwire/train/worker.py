@@ -44,6 +44,7 @@ from .optimizers import get_optimizer, torch_adamw
 from .probe import AdamWProbe, calibrate
 from .progress import Progress
 from .sites import Tiers, optimizer_state_bytes, setup, site_sums
+from .store_runs import store_group
 from .timing import BLOCKED, install
 
 
@@ -168,7 +169,8 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
     model = build_model(cfg).to(device)
     tiers, fsdp = Tiers.of(cfg, world), None
     if tiers is None:
-        built = get_optimizer(optimizer).build(model, cfg, lr)
+        group = store_group(options, cfg, optimizer, lr, rank, world) if options.exchange else None
+        built = get_optimizer(optimizer).build(model, cfg, lr, group=group)
     else:
         model, built, fsdp = setup(tiers, model, get_optimizer(optimizer), cfg, lr, device)
     inter_steps = []                                # this rank's (payload, sent, received) per step

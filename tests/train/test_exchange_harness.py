@@ -1,0 +1,58 @@
+"""`thinwire compare --exchange URL` (train/store_runs.py): the optimizers' messages through a
+file:// store, each worker a site, against the same command over torch.distributed: with no
+round missed the same trajectory to the last bit, the same payload bytes; and the runs it
+cannot take refused before any worker starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.train.shared import compare_here
+from thinwire.train.cli import main
+
+ARGS = ("--preset", "tiny", "--workers", "2", "--steps", "6", "--eval-every", "3", "--eval-rows", "16",
+        "--sync-every", "2", "--no-adamw-probe", "--optimizers", "demo,sign-demo,sparseloco")
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+    store = tmp_path_factory.mktemp("rounds")
+    gloo = compare_here(tmp_path_factory.mktemp("gloo"), *ARGS)
+    through = compare_here(tmp_path_factory.mktemp("store"), *ARGS, "--exchange", store.as_uri())
+    return gloo, through, store
+
+
+def test_the_store_run_is_the_gloo_run_to_the_last_bit(both):
+    gloo, through, _ = both
+    for name in ("demo", "sign-demo", "sparseloco"):
+        losses = [[r["loss"] for r in run["logs"][name]["step"]] for run in (gloo, through)]
+        assert losses[0] == losses[1], name
+        evals = [[r["val_loss"] for r in run["logs"][name]["eval"]] for run in (gloo, through)]
+        assert evals[0] == evals[1], name
+        sent = [[r["payload_bytes"] for r in run["logs"][name]["step"]] for run in (gloo, through)]
+        assert sent[0] == sent[1] and sum(sent[1]) > 0, name
+
+
+def test_each_optimizer_wrote_its_rounds_under_the_url(both):
+    _, _, store = both
+    runs = [p for p in store.iterdir() if p.is_dir()]
+    assert len(runs) == 1 and runs[0].name.startswith("run-")
+    assert {p.name for p in runs[0].iterdir()} == {"demo", "sign-demo", "sparseloco"}
+    assert all(any(p.rglob("*")) for p in runs[0].iterdir())
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--optimizers", "adamw"), "--exchange: adamw is a torch.distributed baseline"),
+    (("--optimizers", "lordo"), "--exchange: lordo cannot keep a message that misses a store round"),
+    (("--optimizers", "diloco"), "--exchange: diloco cannot keep a message"),            # its fp32 sync: all_reduce
+    (("--optimizers", "demo", "--exchange", "http://example.invalid/x"), "--exchange must be a file:///folder"),
+    (("--optimizers", "demo", "--round-timeout", "0"), "--round-timeout must be > 0"),
+    (("--optimizers", "demo", "--sites", "2", "--workers", "4"), "--exchange with --sites"),
+])
+def test_what_the_store_cannot_run_is_refused_before_any_worker_starts(extra, message, tmp_path, capsys):
+    argv = ["compare", "--preset", "tiny", "--exchange", tmp_path.as_uri(), *extra]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())                       # nothing was written to the store
