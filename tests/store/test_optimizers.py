@@ -148,23 +148,36 @@ def test_a_handshake_needs_every_site(tmp_path):
     assert group.missed_rounds == [] and group.results[0].late == ("site-b",)
 
 
-def test_a_late_site_with_nonfinite_gradients_stops_and_the_other_goes_on(tmp_path):
+@pytest.fixture(scope="module")
+def asleep(tmp_path_factory):
+    """The runs below, which mostly sleep past deadlines, three at once: the late site with a
+    non-finite gradient, and a site two rounds behind (DeMo, with and without overlap)."""
+    def run(what):
+        url = tmp_path_factory.mktemp(f"asleep-{what}").as_uri()
+        if what == "nan":
+            rank, step = LATE["demo"]
+            return run_store("demo", url, TIMEOUT_S, (rank, step, LATE_S, "nan"), raises=True)
+        return run_store(what, url, TIMEOUT_S, (1, 2, 2.5 * TIMEOUT_S))
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        return dict(zip(("nan", "demo", "demo-overlap"), pool.map(run, ("nan", "demo", "demo-overlap"))))
+
+
+def test_a_late_site_with_nonfinite_gradients_stops_and_the_other_goes_on(asleep):
     """Nobody saw the late site's flag: the other site applied the step without it, so the
     late one has nothing to keep and cannot follow; it raises, the other finishes."""
-    rank, step = LATE["demo"]
-    sites = run_store("demo", tmp_path.as_uri(), TIMEOUT_S, (rank, step, LATE_S, "nan"), raises=True)
+    rank, _ = LATE["demo"]
+    sites = asleep["nan"]
     assert isinstance(sites[rank], str) and "NonFiniteGradientError" in sites[rank]
     assert "missed the store round" in sites[rank]
     assert len(sites[1 - rank]["history"]) == 4 and sites[1 - rank]["missed"] == []
 
 
 @pytest.mark.parametrize("kind", ["demo", "demo-overlap"])
-def test_a_site_two_rounds_behind_catches_up_from_their_manifests(tmp_path, kind):
+def test_a_site_two_rounds_behind_catches_up_from_their_manifests(asleep, kind):
     """Asleep past two deadlines: it finds both rounds closed, applies what their manifests
     hold, keeps both its messages, and is back in the third (DeMo with overlap: two rounds in
     flight while it catches up)."""
-    rank, step = 1, 2
-    sites = run_store(kind, tmp_path.as_uri(), TIMEOUT_S, (rank, step, 2.5 * TIMEOUT_S))
+    rank, sites = 1, asleep[kind]                               # asleep at step 2, for 2.5 deadlines
     assert sites[rank]["missed"] == [2, 3] and sites[1 - rank]["missed"] == []
     for a, b in zip(sites[0]["history"], sites[1]["history"], strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
