@@ -147,8 +147,9 @@ REGISTRY: dict[str, Config] = {
                      lambda w, s: {"payload": dense_bytes(s, 4)}),
     # SignDeMo (Psyche's 1-bit DeMo): per chunk k indices and k sign bits, no scale: see sign_demo_bytes below
     "sign-demo": Config(lambda ps, **kw: thinwire.SignDeMo(ps, lr=0.01, topk=8, chunk=16, **kw), 1, None),
+    # its overlap is the envelope's, which every other overlap entry runs at worlds 1-3: world 2 here
     "sign-demo-overlap": Config(lambda ps, **kw: thinwire.SignDeMo(ps, lr=0.01, topk=8, chunk=16, overlap=True, **kw),
-                                1, None, 1),
+                                1, None, 1, worlds=(2,)),
     # SparseLoCo: its bytes depend on the chunk geometry of each shape: see sparseloco_bytes below
     "sparseloco": Config(lambda ps, **kw: _sparseloco(ps, **kw), SYNC_EVERY, None),
     "sparseloco-overlap": Config(lambda ps, **kw: _sparseloco(ps, overlap=True, **kw), SYNC_EVERY, None, 1),
