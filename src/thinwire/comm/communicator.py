@@ -32,7 +32,11 @@ class Pending:
     """An issued asynchronous collective; `wait()` returns its result tensor.
 
     `observer` (the blocked-time observer when the collective was issued, or None) is
-    called with (`op`, seconds) once the first `wait()` on issued work returns."""
+    called with (`op`, seconds) once the first `wait()` on issued work returns. `absent`: the
+    ranks whose rows a gather did not fill (none here; the store exchange's rounds may leave
+    some out, `thinwire.store.communicator.RoundPending`)."""
+
+    absent: tuple[int, ...] = ()
 
     def __init__(self, work, result: torch.Tensor | None, op: str = "", observer=None):
         self._work, self._result = work, result
@@ -72,6 +76,8 @@ def _all_gather_single():
 
 class Communicator:
     """Wraps a process group (default: the world group) and counts what crosses the wire."""
+
+    WHOLE_MESSAGES = False          # a gather may be split in parts (`GatherAll`); the store's may not
 
     def __init__(self, process_group=None):
         self.stats = CommStats()

@@ -98,14 +98,13 @@ class GatherAll:
     def start(self) -> None:
         # the store exchange agrees on whole messages, one round each: a split one could
         # arrive in part
-        whole = getattr(self.comm, "WHOLE_MESSAGES", False)
-        parts = [slice(0, self.buffer.numel())] if whole else gather_parts(self.buffer.numel())
+        parts = [slice(0, self.buffer.numel())] if self.comm.WHOLE_MESSAGES else gather_parts(self.buffer.numel())
         self._pending = [self.comm.all_gather(self.buffer[part], tag=self.tag, out=out, async_op=True)
                          for part, out in zip(parts, self._receive_buffers(parts))]
 
     def finish(self, step: int) -> Delivery:
         parts = [pending.wait() for pending in self._pending]
-        absent = {r for pending in self._pending for r in getattr(pending, "absent", ())}
+        absent = {r for pending in self._pending for r in pending.absent}
         self._pending = []
         gathered = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1, out=self._gathered)  # [world, nbytes]
         if absent:
