@@ -78,6 +78,12 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--round-timeout", type=float, default=90.0, metavar="SECONDS",
                    help="with --exchange: how long a round waits for every worker before it closes without the "
                         "late ones, who keep their messages for the next (default 90)")
+    p.add_argument("--site", metavar="NAME", help="with --exchange: run only this site's --workers (a local gloo "
+                   "world); the other sites run the same command with their own --site and share only the store")
+    p.add_argument("--peers", metavar="A,B,...", help="with --site: every site of the run, this one included, the "
+                   "same list at every site (each runs the same --workers)")
+    p.add_argument("--exchange-key-file", metavar="PATH", help="with --exchange: a file holding the run's hex "
+                   "signing key (or set THINWIRE_EXCHANGE_KEY); --site needs one, the same at every site")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--overlap", action="store_true", default=None, help=FIELD_HELP["overlap"])
     for name in _OVERRIDES:
@@ -129,7 +135,8 @@ def options_from_args(args):
                       checkpoint_every=args.checkpoint_every if train else 0,
                       peer_timeout=args.peer_timeout if train else None, dense_steps=args.dense_steps,
                       adamw_probe=not args.no_adamw_probe, exchange=args.exchange,
-                      round_timeout=args.round_timeout)
+                      round_timeout=args.round_timeout, site=args.site, exchange_key_file=args.exchange_key_file,
+                      peers=tuple(p.strip() for p in (args.peers or "").split(",") if p.strip()))
 
 
 def _train_or_compare(args) -> None:
@@ -196,7 +203,7 @@ def torchrun_main(argv=None) -> None:
     if args.link:
         raise SystemExit("thinwire: error: --link emulates links between local workers; under torchrun "
                          "the links are real (use `thinwire train --link ...` without torchrun)")
-    if args.exchange:               # every rank would need the one signing key `compare` draws
+    if args.exchange or args.site:  # every rank would need the one signing key `compare` draws
         raise SystemExit("thinwire: error: --exchange runs under thinwire's own launcher for now, not torchrun "
                          "(use `thinwire train --exchange ...`)")
     if cfg.sites:

@@ -140,7 +140,18 @@ class RunOptions:
     """With `exchange`: seconds a round waits for every site before it closes without the late."""
 
     exchange_key: str | None = None
-    """With `exchange`: the hex key that signs every message, drawn once per command."""
+    """With `exchange`: the hex key that signs every message; None: THINWIRE_EXCHANGE_KEY, else
+    `exchange_key_file`, else (one command, no `site`) drawn once per command."""
+
+    exchange_key_file: str | None = None
+    """With `exchange`: a file holding the hex signing key (--exchange-key-file)."""
+
+    site: str | None = None
+    """With `exchange`: this command runs one site of the run, its `workers` a local gloo world,
+    everything across sites through the store (train/site_run.py); None: every worker here."""
+
+    peers: tuple[str, ...] = ()
+    """With `site`: every site of the run, this one included, the same list at every site."""
 
     @property
     def writes_checkpoints(self) -> bool:

@@ -5,7 +5,8 @@
 Rendezvous goes through a file in a fresh temporary directory, so concurrent runs never
 collide on ports (and it works across network namespaces, which share the filesystem).
 With `namespaces`, worker i first moves into network namespace namespaces[i] and gloo
-talks over interface `ifname` there (see netns.EmulatedLink). Under `torchrun`
+talks over interface `ifname` there (see netns.EmulatedLink); `ifname` alone keeps gloo on
+that interface here (a `--site` run's local world: "lo"). Under `torchrun`
 (RANK/WORLD_SIZE set) use `init_from_env()` instead. Both set the process group's timeout:
 a collective whose peer died or went silent fails within it (--peer-timeout).
 """
@@ -53,6 +54,7 @@ def _entry(rank: int, fn, world_size: int, rendezvous: str, threads: int, args: 
     if namespaces:
         from .netns import enter_namespace
         enter_namespace(namespaces[rank])          # before gloo opens any socket
+    if ifname:
         os.environ["GLOO_SOCKET_IFNAME"] = ifname
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size,

@@ -25,6 +25,7 @@ from .data import check_corpus, load_corpus
 from .launch import launch
 from .optimizers import OPTIMIZERS, get_optimizer, learning_rate
 from .report import DENSE_ADAMW, add_limits, format_table, plot, read_log, summarize
+from .site_run import check_site, local_ifname, run_world, site_options, site_summary
 from .store_runs import check_exchange, with_key
 from .worker import process_started, train_worker
 
@@ -100,9 +101,10 @@ def compare(cfg: TrainConfig, optimizers: list[str], options: RunOptions | None 
     opts = replace(options or RunOptions(), **fields)
     workers = cfg.workers if opts.workers is None else opts.workers
     cfg, opts = prepare(cfg, opts)
-    check_run(cfg, optimizers, workers, opts.data)
+    check_run(cfg, optimizers, run_world(opts, workers), opts.data)
     check_exchange(cfg, optimizers, opts)
-    opts = with_key(opts)
+    check_site(cfg, optimizers, opts, workers)
+    opts = site_options(with_key(opts))
     if opts.checkpoint_every and not opts.checkpoint:
         raise ValueError("--checkpoint-every belongs to `thinwire train` (one optimizer per run)")
     if opts.peer_timeout is not None and opts.peer_timeout <= 0:
@@ -124,11 +126,13 @@ def compare(cfg: TrainConfig, optimizers: list[str], options: RunOptions | None 
             lr = learning_rate(cfg, name, opts.lrs)
             path = out / f"{name}.jsonl"
             kwargs = ({"namespaces": emulated.namespaces, "ifname": emulated.ifname} if emulated else {})
+            kwargs.setdefault("ifname", local_ifname(opts))
             launch(train_worker, workers, args=(cfg, name, lr, str(path), opts, started), timeout=opts.peer_timeout,
                    **kwargs)
             logs[name] = read_log(path)
             logs[name]["lr"] = lr
-    return report(cfg, logs, workers, out, latency_s, opts.target, link_info, opts.show, opts.dense_steps)
+    return report(cfg, logs, run_world(opts, workers), out, latency_s, opts.target, link_info, opts.show,
+                  opts.dense_steps, site=site_summary(opts, workers))
 
 
 def check_dense_steps(opts: RunOptions, optimizers: list[str]) -> None:
@@ -182,9 +186,10 @@ def _check_checkpointing(cfg: TrainConfig, optimizers: list[str], workers: int, 
 
 def report(cfg: TrainConfig, logs: dict[str, dict], workers: int, out: Path, latency_s: float,
            target: float | None = None, link_info: dict | None = None, show: bool = True,
-           dense_steps: int | None = None) -> list[dict]:
+           dense_steps: int | None = None, site: dict | None = None) -> list[dict]:
     """summary.json, table.md and plots in `out` from the runs' logs (in run order);
-    `dense_steps`: AdamW's steps to `target` when it is not among them (`add_limits`)."""
+    `dense_steps`: AdamW's steps to `target` when it is not among them (`add_limits`);
+    `site`: which site a --site run's command ran (site_run.site_summary), as summary.json's "site"."""
     optimizers = list(logs)
     baseline = next((n for n in optimizers if n in OPTIMIZERS and OPTIMIZERS[n].dense), None)
     if target is None:
@@ -202,7 +207,7 @@ def report(cfg: TrainConfig, logs: dict[str, dict], workers: int, out: Path, lat
     table = format_table(rows, baseline)
     (out / "summary.json").write_text(json.dumps({"target_loss": target, "baseline": baseline,
                                                   "latency_s": latency_s, "sites": cfg.sites or None,
-                                                  "runs": rows}, indent=2))
+                                                  **({"site": site} if site else {}), "runs": rows}, indent=2))
     (out / "table.md").write_text(table + "\n")
     plots = plot(logs, out, latency_s)
     if show:

@@ -5,12 +5,12 @@ messages through an object store (`thinwire.store.StoreGroup`) instead of torch.
     thinwire compare --preset wan --optimizers demo --exchange s3://bucket/runs --round-timeout 30
 
 Each run writes its rounds under <URL>/<run id>/<optimizer>/ (the run id from the run's key,
-so a URL can hold many runs); the key signing every message is drawn afresh per command. The
-optimizer's exchange is all that crosses the store: the harness still starts its workers as one
-torch.distributed world on this machine, for evaluation and logging, so this measures the
-store exchange on one machine; sites that cannot reach each other run the library
-(`process_group=StoreGroup(...)`, README "Across the internet"). An s3:// URL takes its
-endpoint and credentials from the AWS_* environment variables (obstore's).
+so a URL can hold many runs); the key signing every message is drawn afresh per command unless
+given (THINWIRE_EXCHANGE_KEY, --exchange-key-file). One command: the optimizer's exchange is all
+that crosses the store, its workers are still one torch.distributed world on this machine, for
+evaluation and logging. With --site NAME --peers A,B each site is its own command sharing only
+the store (train/site_run.py). An s3:// URL takes its endpoint and credentials from the AWS_*
+environment variables (obstore's).
 """
 
 from __future__ import annotations
@@ -22,10 +22,13 @@ from dataclasses import replace
 
 from .config import RunOptions, TrainConfig
 from .optimizers import get_optimizer
+from .site_run import participant, participants, read_key
 
 
 def with_key(opts: RunOptions) -> RunOptions:
-    """The options with this command's signing key (hex), drawn once, when --exchange is given."""
+    """The options with the run's signing key (hex) when --exchange is given: the one given
+    (THINWIRE_EXCHANGE_KEY, --exchange-key-file: site_run.read_key), else drawn once here."""
+    opts = read_key(opts)
     if not opts.exchange or opts.exchange_key:
         return opts
     return replace(opts, exchange_key=secrets.token_hex(32))
@@ -66,11 +69,28 @@ def _why_not(name: str, cfg: TrainConfig) -> str:
 
 
 def store_group(opts: RunOptions, cfg: TrainConfig, optimizer: str, lr: float, rank: int, world: int):
-    """This worker's `StoreGroup`: site worker-<rank>, the run's rounds under <URL>/<run>/<optimizer>."""
+    """This worker's `StoreGroup` (`rank`, `world`: this command's gloo world): participant
+    worker-<rank>, or <site>.<rank> under --site (site_run.py); the run's rounds under
+    <URL>/<run>/<optimizer>. The fingerprint holds what every site must share (the config, the
+    optimizer, its lr, the participants) and nothing of one site's, so sites that agree on the
+    run sign the same one and a site given other --peers is left out of every round."""
     from ..store import StoreGroup
     key = bytes.fromhex(opts.exchange_key)
     run = "run-" + hashlib.sha256(key).hexdigest()[:12]
     location = f"{opts.exchange.rstrip('/')}/{run}/{optimizer}"
-    sites = [f"worker-{r:04d}" for r in range(world)]
-    fingerprint = json.dumps({"config": cfg.record(), "optimizer": optimizer, "lr": lr}, sort_keys=True, default=str)
-    return StoreGroup(location, sites[rank], sites, key, fingerprint, opts.round_timeout)
+    sites = participants(opts, world)
+    fingerprint = json.dumps({"config": shared_config(cfg), "optimizer": optimizer, "lr": lr, "participants": sites},
+                             sort_keys=True, default=str)
+    return StoreGroup(location, participant(opts, rank), sites, key, fingerprint, opts.round_timeout)
+
+
+def shared_config(cfg: TrainConfig) -> dict:
+    """cfg's record as every site sees it: local paths do not enter it (--init-from's folder is
+    left out, a --model config.json enters as its contents' SHA-256), so sites that keep the
+    same files in different places still share one fingerprint."""
+    record = dict(cfg.record())
+    record.pop("init_from", None)
+    if cfg.model.endswith(".json"):
+        with open(cfg.model, "rb") as f:
+            record["model"] = "sha256:" + hashlib.sha256(f.read()).hexdigest()
+    return record

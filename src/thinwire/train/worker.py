@@ -43,6 +43,7 @@ from .model import build_model
 from .optimizers import get_optimizer, torch_adamw
 from .probe import AdamWProbe, calibrate
 from .progress import Progress
+from .site_run import gather_store, global_rank, store_record
 from .sites import Tiers, optimizer_state_bytes, setup, site_sums
 from .store_runs import store_group
 from .timing import BLOCKED, install
@@ -167,7 +168,8 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
     train_ids, val_ids = load_corpus(options.data, cfg.vocab_size)
     device = _device()
     model = build_model(cfg).to(device)
-    tiers, fsdp = Tiers.of(cfg, world), None
+    tiers, fsdp, group = Tiers.of(cfg, world), None, None
+    shard_rank, shard_world = global_rank(options, rank, world)   # under --site: across every site
     if tiers is None:
         group = store_group(options, cfg, optimizer, lr, rank, world) if options.exchange else None
         built = get_optimizer(optimizer).build(model, cfg, lr, group=group)
@@ -190,12 +192,12 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
             rec = _evaluation(model, val_ids, starts, cfg, rank, world, 0, None)
             _write(log, rec)
             val = rec["val_loss"]
-        batches = lambda i: tuple(t.to(device) for t in train_batch(train_ids, cfg, i, rank, world))  # noqa: E731
+        batches = lambda i: tuple(t.to(device) for t in train_batch(train_ids, cfg, i, shard_rank, shard_world))  # noqa: E731
         adamw = _adamw_probe(built, model, cfg, lr, batches, tiers, options.adamw_probe)
         before = _probes(built, adamw, batches)    # compute-only steps, before and after (probe.py)
         for step in range(done + 1, cfg.steps + 1):
             _maybe_die(rank, step)
-            x, y = (t.to(device) for t in train_batch(train_ids, cfg, step - 1, rank, world))
+            x, y = (t.to(device) for t in train_batch(train_ids, cfg, step - 1, shard_rank, shard_world))
             rec = _timed_step(built, sched, x, y, fsdp, last=(step == cfg.steps))
             if resumed is not None:
                 now = time.time()                  # first_step_at: wall clock, to time a recovery from outside
@@ -227,7 +229,9 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
         if tiers is not None:
             final["tiers"] = _gather_tiers(tiers, world, state_bytes, inter_steps)
         else:
-            final["replicas_identical"] = _replicas_identical(model, world)
+            final["replicas_identical"], final["params_sha256"] = _replicas_identical(model, world)
+        if group is not None:
+            final["store"] = gather_store(store_record(group), world)
         _write(log, final)
     except Exception as err:
         if peer_failed(err):
@@ -241,16 +245,18 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
             log.close()
 
 
-def _replicas_identical(model, world: int) -> bool:
-    """Whether every rank ends with bit-identical parameters (flat layout; an uncounted harness
-    all-gather of a digest). LoRDO and DiLoCo: only when the last step was a sync."""
+def _replicas_identical(model, world: int) -> tuple[bool, str]:
+    """Whether every rank (of this command) ends with bit-identical parameters (flat layout; an
+    uncounted harness all-gather of a digest), and this rank's SHA-256 of them, parameter by
+    parameter in order, so runs (a --site run's sites) compare without a connection.
+    LoRDO and DiLoCo: identical only when the last step was a sync."""
     digest = hashlib.sha256()
     for p in model.parameters():
         digest.update(p.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
-    everyone = [None] * world
+    everyone = [digest.hexdigest()] * world
     if world > 1:
         dist.all_gather_object(everyone, digest.hexdigest())
-    return len(set(everyone)) == 1
+    return len(set(everyone)) == 1, digest.hexdigest()
 
 
 def _gather_tiers(tiers: Tiers, world: int, state_bytes: int, inter_steps: list) -> dict:
