@@ -62,6 +62,7 @@ from .demo_rules import (BASES, DOMAINS, LOOKAHEADS, MOMENTUM_FORMS, check_group
 from .demo_slots import KeptSlots, Slot, fold_sent_back
 from .elastic_rules import PER_RANK
 from .exchange import GatherAll
+from .median_clip import check_clip, clip_chunks, clip_reads
 
 
 
@@ -112,6 +113,9 @@ class DeMo(CommunicatingOptimizer):
         process_group: torch.distributed group (default: world; none needed for one process),
             or a `thinwire.store.StoreGroup` (sites exchanging through an object store; a site
             whose message misses a round keeps it: M ← M + α T⁻¹(Q̂_i), as `_discard`).
+        clip: None (default) or 'median-norm': before the aggregate, each sender's Q̂_j of each
+            tensor is scaled by min(1, median_j ‖Q̂_j‖ / ‖Q̂_j‖) over the delivered senders
+            (Templar's guard; `thinwire.optim.median_clip`, norms from the coefficients).
     A rank without a gradient for a parameter that another rank has one for counts it as
     zero (its momentum decays); a parameter with a gradient on no rank does not move.
     """
@@ -124,7 +128,7 @@ class DeMo(CommunicatingOptimizer):
                  chunk: int = 64, transform: str = "dct", base: str = "signum", weight_decay: float = 0.0,
                  values: str = "bf16", aggregate: str = "mean", momentum_domain: str = "auto", seed: int = 0,
                  nonfinite: str = "raise", momentum_form: str = "ema", process_group=None, overlap: bool = False,
-                 lookahead: str = "none"):
+                 lookahead: str = "none", clip: str | None = None):
         defaults = dict(lr=lr, beta=beta, alpha=alpha, topk=topk, chunk=chunk, transform=transform, base=base,
                         weight_decay=weight_decay, values=values, aggregate=aggregate,
                         momentum_domain=momentum_domain, momentum_form=momentum_form, seed=seed)
@@ -134,6 +138,7 @@ class DeMo(CommunicatingOptimizer):
             raise ValueError(f"lookahead must be one of {LOOKAHEADS}, got {lookahead!r}")
         self._init_comm(process_group, nonfinite, overlap, lookahead != "none")
         self.lookahead_form = lookahead
+        self.clip = check_clip(clip)                            # 'median-norm': `_update` clips each sender
         self._compressors: dict[tuple, ChunkedTopK] = {}
         self._messages = (GatherAll(self.comm), GatherAll(self.comm))    # by step parity: EARLY_START
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None   # reused transform scratch
@@ -384,9 +389,12 @@ class DeMo(CommunicatingOptimizer):
         self.arrival_status = checks.any_of(flags)
         a, b = self._scratch(slots)
         for g, (positions, values) in zip(groups.groups, received):
+            if self.clip:                                   # each sender's tensors to the median norm
+                values = clip_chunks(values, g.chunk_tensor, len(g.members))
             delta = demo_groups.aggregate(g, positions, values, out=a, counts=b)
             g.chunks.comp.transform.inverse_image(delta, g.chunks.plan, step, scratch=b)
             demo_groups.step_params(g, slots, delta, present, skip)
         for i, read in reads.items():                       # none under `skip` (`_applies_masked`)
             group, p, comp, _, _, key = slots[i]
+            read = clip_reads(read) if self.clip else read
             step_param(p, comp.aggregate(read, p.shape, step, group["aggregate"], out=a, scratch=b), group, key)

@@ -116,6 +116,7 @@ import torch
 
 from ..compress import SparseLoCoTopK
 from ..compress.sparseloco_flat import FlatSparseLoCo
+from ..compress.sparseloco_grouped import joins
 from ..compress.topk import AGGREGATIONS
 from .base import Member
 from .diloco import DiLoCo
@@ -124,6 +125,7 @@ from .flat import spans
 from . import sparseloco_groups
 from .flat import reuse
 from .periodic import check_sync_every
+from .median_clip import check_clip
 from .sparseloco_groups import _subtract_sent
 
 
@@ -178,6 +180,10 @@ class SparseLoCo(DiLoCo):
             True; the module docstring).
         eager_scale: c of that jump, a finite number >= 0 (default 1: its own message's estimate
             of θ₀'; 0 jumps to θ₀).
+        clip: None (default) or 'median-norm': before the aggregate, each sender's Δ̂_r of each
+            tensor is scaled by min(1, median_r ‖Δ̂_r‖ / ‖Δ̂_r‖) over the delivered senders
+            (Templar's guard; `thinwire.optim.median_clip`). On the grouped path only: needs
+            transform 'identity', values '2bit' or '8bit' and float32/bf16/fp16 parameters.
     Initial parameters must be identical on all ranks (as with DDP's broadcast).
     """
 
@@ -188,12 +194,16 @@ class SparseLoCo(DiLoCo):
                  values: str = "2bit", transform: str = "identity", indices: str = "packed",
                  error_decay: float = 0.95, outer_lr: float = 1.0, aggregate: str = "mean", nonfinite: str = "raise",
                  process_group=None, overlap: bool = False, delay: int = 1, eager: bool = True,
-                 eager_scale: float = 1.0):
+                 eager_scale: float = 1.0, clip: str | None = None):
         check_sync_every(sync_every)
         self.compressor = _check(topk, chunk, values, transform, indices, error_decay, outer_lr, aggregate)
         if not isinstance(eager, bool):
             raise ValueError(f"eager must be True or False, got {eager!r}")
         self.eager_scale = _check_eager_scale(eager_scale)
+        self.clip = check_clip(clip)
+        if self.clip and not joins(self.compressor, ()):
+            raise ValueError(f"clip={clip!r} runs on the grouped path, which needs transform 'identity' and values "
+                             f"'2bit' or '8bit', got transform={transform!r}, values={values!r}")
         self.error_decay, self.aggregate, self.eager, self._eager_jumped = float(error_decay), aggregate, eager, False
         self._own_sent = None        # what receivers decode of this rank's row (per parameter), encode to landing
         self._flat, self._mean = None, None          # FlatSparseLoCo of the layout; Δ̄'s scratch
@@ -336,6 +346,8 @@ class SparseLoCo(DiLoCo):
         if delivery.rows is not None:                               # a store round without some ranks:
             own = None                                              # rows are not indexed by rank
         arrived, self._arrived = self._arrived, None
+        if self.clip and not self.grouped:
+            raise ValueError(f"clip={self.clip!r} runs on the grouped path only: set grouped back to True")
         if self.grouped:
             read = arrived[1] if arrived is not None and arrived[0] is rows else None   # else not read by `_arrival`
             sparseloco_groups.apply(self, step, layout, rows, read)

@@ -54,6 +54,7 @@ from ..compress.topk import raise_malformed
 from ..wire import checks
 from .base import Member
 from .flat import reuse
+from .median_clip import clip_rows
 from .periodic import slots_of
 
 NARROW = (torch.bfloat16, torch.float16)
@@ -251,6 +252,8 @@ def apply(opt, step: int, layout: list[Member], rows: torch.Tensor, arrived: tup
         arrived = g.read(rows)
         raise_malformed(checks.any_of(arrived[2]), f" at step {step}")
     positions, values, _ = arrived
+    if opt.clip:                                            # each sender's tensors to the median norm
+        values = _clipped(g, values)
     n = opt._unsent.numel()
     mean = opt._mean = reuse(opt._mean, n, torch.float32, device)
     means = _views(mean, g, layout)
@@ -283,6 +286,15 @@ def apply(opt, step: int, layout: list[Member], rows: torch.Tensor, arrived: tup
         anchors[i].sub_(means[i].to(anchors[i].dtype))
     # θ ← θ₀   (delay > 1: θ ← θ₀ + (θ − θ_s))
     _rejoin(opt, g, layout, anchors)
+
+
+def _clipped(g: GroupedSparseLoCo, values: torch.Tensor) -> torch.Tensor:
+    """`median_clip.clip_rows` of every rank's kept values [W, K] by tensor (`g.segment.row`:
+    each kept value's tensor); a tensor left to the per-tensor code (`alone`) cannot be clipped."""
+    if g.alone:
+        raise ValueError("clip='median-norm' needs every parameter on the grouped path (float32, bf16 or fp16); "
+                         f"these are not: {[g.shapes[i] for i in g.alone]}")
+    return clip_rows(values, g.segment.row, g.segment.rows)
 
 
 def add_own(opt, step: int, layout: list[Member], own: torch.Tensor) -> None:
