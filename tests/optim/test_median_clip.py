@@ -27,12 +27,13 @@ def _reference(rows: list[list[float]], segment: list[int], tensors: int) -> lis
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 def test_clip_rows_matches_the_float64_reference_and_leaves_the_unclipped_bit_for_bit(world):
     gen = torch.Generator().manual_seed(world)
-    segment = torch.tensor([0, 0, 1, 2, 1, 2, 2, 0, 1, 3])
+    lengths = torch.tensor([3, 2, 4, 1])
+    segment = torch.repeat_interleave(torch.arange(4), lengths)
     values = torch.randn(world, segment.numel(), generator=gen) * torch.rand(world, 1, generator=gen) * 10
     if world > 2:
         values[1] = 0.0                                   # a zero row: factor 1, no division by 0
         values[2, segment == 3] = values[0, segment == 3]  # equal norms: neither above the median of both
-    got = clip_rows(values, segment, 4)
+    got = clip_rows(values, segment, lengths)
     want = torch.tensor(_reference(values.double().tolist(), segment.tolist(), 4), dtype=torch.float64)
     torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=0.0)
     norms = torch.zeros(world, 4).index_add_(1, segment, values.square()).sqrt()
@@ -46,9 +47,10 @@ def test_clip_rows_matches_the_float64_reference_and_leaves_the_unclipped_bit_fo
 def test_clip_chunks_and_clip_reads_give_clip_rows_values():
     gen = torch.Generator().manual_seed(3)
     values = torch.randn(4, 6, 5, generator=gen) * torch.tensor([1.0, 3.0, 0.5, 1000.0])[:, None, None]
-    chunk_tensor = torch.tensor([0, 0, 0, 1, 2, 2])
-    rows = clip_rows(values.reshape(4, -1), chunk_tensor.repeat_interleave(5), 3)
-    torch.testing.assert_close(clip_chunks(values, chunk_tensor, 3).reshape(4, -1), rows, rtol=1e-6, atol=0.0)
+    counts = torch.tensor([3, 1, 2])
+    chunk_tensor = torch.repeat_interleave(torch.arange(3), counts)
+    rows = clip_rows(values.reshape(4, -1), chunk_tensor.repeat_interleave(5), counts * 5)
+    torch.testing.assert_close(clip_chunks(values, chunk_tensor, counts).reshape(4, -1), rows, rtol=1e-6, atol=0.0)
     reads = clip_reads([(torch.arange(5), values[s, 3]) for s in range(4)])      # tensor 1 alone
     torch.testing.assert_close(torch.stack([v for _, v in reads]), rows.view(4, 6, 5)[:, 3], rtol=1e-6, atol=0.0)
 
@@ -85,6 +87,22 @@ def test_bad_clip_arguments_raise_value_error_naming_clip():
             thinwire.SparseLoCo(p, clip="median-norm", **settings)
     thinwire.DeMo(p, clip="median-norm")
     thinwire.SparseLoCo(p, clip="median-norm", values="8bit")
+
+
+@pytest.mark.parametrize("case", ["float64", "per-tensor"])
+def test_sparseloco_refuses_to_sync_what_its_clip_cannot_reach_before_anything_moves(case):
+    """The clip runs on the grouped landing: a float64 parameter (left to the per-tensor code)
+    or grouped=False raise ValueError naming clip at the first sync, before the local step."""
+    dtype = torch.float64 if case == "float64" else torch.float32
+    params = [torch.nn.Parameter(torch.ones(8, 8, dtype=dtype)), torch.nn.Parameter(torch.ones(8))]
+    opt = thinwire.SparseLoCo(params, clip="median-norm", sync_every=1)
+    opt.grouped = case != "per-tensor"
+    for p in params:
+        p.grad = torch.ones_like(p)
+    want = "float32, bf16 or fp16: \\[\\(8, 8\\)\\]" if case == "float64" else "set grouped back to True"
+    with pytest.raises(ValueError, match="clip='median-norm' runs on the grouped path only.*" + want):
+        opt.step()
+    assert all(torch.equal(p, torch.ones_like(p)) for p in params)
 
 
 SHAPES = [(64, 64), (32, 96), (96,)]      # unpadded at chunk 32: Δ's norm is the messages'

@@ -9,7 +9,7 @@ each before that site writes (the sites wait for the attacker's go between steps
 first step's round). Each round's manifest names the object rejected with its reason, a
 warning names it, and nothing from it is applied: every parameter and momentum of both sites,
 after every step, equals those of a run where that site was simply absent from that round
-(it steps only once the others closed the round without it). The sites clip
+(the round closed without it before it wrote; no deadline is raced: every round waits 60 s). The sites clip
 (clip='median-norm'), so the clip runs over rounds that delivered one row and two.
 """
 
@@ -27,7 +27,7 @@ import torch
 import torch.multiprocessing as mp
 
 import thinwire
-from thinwire.store import StoreGroup
+from thinwire.store import RoundExchange, StoreGroup
 from thinwire.store.envelope import open_envelope, run_fingerprint, seal
 from thinwire.store.manifest import Manifest, manifest_key, message_key
 from thinwire.store.urls import open_location
@@ -72,8 +72,8 @@ def _train(rank: int, group, side: str, store_dir: str, attacked: bool) -> dict:
         torch.nn.functional.mse_loss(model(x), y).backward()
         if attacked:
             _wait_for(os.path.join(side, f"go-{step}"))
-        elif ATTACKS.get(step, (None,))[0] == rank:          # absent: the round closes first
-            _wait_for(os.path.join(store_dir, manifest_key(first + step - 1)))
+        elif ATTACKS.get(step, (None,))[0] == rank:          # absent: the round closes without it first
+            _close_without_me(store_dir, rank, first + step - 1)
         opt.step()
         if step == 1:
             first = group.results[-1].round
@@ -82,12 +82,20 @@ def _train(rank: int, group, side: str, store_dir: str, attacked: bool) -> dict:
     return {"history": history, "missed": group.missed_rounds, "first": first}
 
 
-def _site_main(rank: int, out: str, side: str, store_dir: str, attacked: bool, round_timeout: float) -> None:
+def _close_without_me(store_dir: str, rank: int, round: int) -> None:
+    """The reference's absence, with no deadline to race: once the other site's message is
+    in, this site closes the round (`RoundExchange.close`) before writing its own, so the
+    manifest takes the other's message and names this site late, as a deadline would."""
+    _wait_for(os.path.join(store_dir, message_key(round, SITES[1 - rank])))
+    RoundExchange(f"file://{store_dir}", SITES[rank], SITES, KEY, CONFIG).close(round)
+
+
+def _site_main(rank: int, out: str, side: str, store_dir: str, attacked: bool) -> None:
     torch.set_num_threads(1)
     warnings = _Warnings()
     logging.getLogger("thinwire.store").addHandler(warnings)
     try:
-        group = StoreGroup(f"file://{store_dir}", SITES[rank], SITES, KEY, CONFIG, round_timeout,
+        group = StoreGroup(f"file://{store_dir}", SITES[rank], SITES, KEY, CONFIG, 60.0,
                            join_timeout=120.0, poll=(0.01, 0.05), patience=10)
         result = _train(rank, group, side, store_dir, attacked)
         torch.save(("ok", {**result, "warnings": warnings.lines}), os.path.join(out, f"site{rank}.pt"))
@@ -121,7 +129,7 @@ def _attacker_main(out: str, side: str, store_dir: str) -> None:
     exit_process(0)
 
 
-def _run(attacked: bool, round_timeout: float) -> dict:
+def _run(attacked: bool) -> dict:
     """Both sites (and the attacker) as processes sharing a fresh store folder; their results
     and the rounds' manifests."""
     ctx = mp.get_context(start_method())
@@ -129,7 +137,7 @@ def _run(attacked: bool, round_timeout: float) -> dict:
         store_dir, side = os.path.join(tmp, "store"), os.path.join(tmp, "side")
         os.makedirs(store_dir)
         os.makedirs(side)
-        procs = [ctx.Process(target=_site_main, args=(r, tmp, side, store_dir, attacked, round_timeout), daemon=True)
+        procs = [ctx.Process(target=_site_main, args=(r, tmp, side, store_dir, attacked), daemon=True)
                  for r in range(len(SITES))]
         if attacked:
             procs.append(ctx.Process(target=_attacker_main, args=(tmp, side, store_dir), daemon=True))
@@ -164,10 +172,10 @@ def runs():
     """The attacked run and the reference (victims simply absent), run at once on threads."""
     got = {}
 
-    def run(name, attacked, round_timeout):
-        got[name] = _run(attacked, round_timeout)
-    threads = [threading.Thread(target=run, args=("attacked", True, 30.0)),
-               threading.Thread(target=run, args=("absent", False, 0.3))]
+    def run(name, attacked):
+        got[name] = _run(attacked)
+    threads = [threading.Thread(target=run, args=("attacked", True)),
+               threading.Thread(target=run, args=("absent", False))]
     for t in threads:
         t.start()
     for t in threads:

@@ -389,12 +389,12 @@ class DeMo(CommunicatingOptimizer):
         self.arrival_status = checks.any_of(flags)
         a, b = self._scratch(slots)
         for g, (positions, values) in zip(groups.groups, received):
-            if self.clip:                                   # each sender's tensors to the median norm
-                values = clip_chunks(values, g.chunk_tensor, len(g.members))
+            if self.clip and values.shape[0] > 1:           # each sender's tensors to the median norm (1 row: × 1)
+                values = clip_chunks(values, g.chunk_tensor, g.chunk_counts)
             delta = demo_groups.aggregate(g, positions, values, out=a, counts=b)
             g.chunks.comp.transform.inverse_image(delta, g.chunks.plan, step, scratch=b)
             demo_groups.step_params(g, slots, delta, present, skip)
         for i, read in reads.items():                       # none under `skip` (`_applies_masked`)
             group, p, comp, _, _, key = slots[i]
-            read = clip_reads(read) if self.clip else read
+            read = clip_reads(read) if self.clip and len(read) > 1 else read
             step_param(p, comp.aggregate(read, p.shape, step, group["aggregate"], out=a, scratch=b), group, key)

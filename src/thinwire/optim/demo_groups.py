@@ -76,8 +76,9 @@ class Group:
         self.ones: torch.Tensor | None = None               # `_add_signs` on CPU
         self.views = self.chunks.views(self.momentum)       # each member's [R_i, C] of the momentum
         # each chunk's member (the order of `ChunkGroup.received`'s chunks): the median-norm clip's segments
-        self.chunk_tensor = torch.repeat_interleave(torch.arange(len(members)),
-                                                    torch.tensor(self.chunks.chunks)).to(device)
+        self.chunk_counts = torch.tensor(self.chunks.chunks)
+        self.chunk_tensor = torch.repeat_interleave(torch.arange(len(members)), self.chunk_counts).to(device)
+        self.chunk_counts = self.chunk_counts.to(device)
         plans = [first.comp.plan(slots[i].param.shape) for i in members]
         self.padded = [(view, plan) for view, plan in zip(self.views, plans) if plan.padded]
         self._crops: dict[tuple, list[torch.Tensor]] = {}

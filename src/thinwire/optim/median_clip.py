@@ -20,9 +20,9 @@ chunked orthonormal DCT-II; 'identity'; 'random', an orthogonal Haar basis) are 
 and the top-k indices of a chunk are distinct, so ‖T⁻¹(Q̂)‖ over the (padded) tensor equals
 ‖values‖ (Parseval); SparseLoCo's grouped path keeps the values themselves (transform
 'identity'). A padded tensor's norm includes what lands in its padding (cropped later), as
-Templar's norm of the sent values does. Everything runs on the device, one segment sum for
-all of a group's tensors and no host read; every rank clips the same rows alike, so replicas
-stay bit-identical.
+Templar's norm of the sent values does. Everything runs on the device, one segmented sum
+for all of a group's tensors (deterministic: `segment_sums`) and no host read; every rank
+clips the same rows alike, so replicas stay bit-identical.
 """
 
 from __future__ import annotations
@@ -45,27 +45,32 @@ def factors(squares: torch.Tensor) -> torch.Tensor:
     norms = squares.sqrt()
     median = norms.median(dim=0).values                      # [T]
     # where n > m (so n > 0): m / n < 1; elsewhere exactly 1 (no division by a zero norm)
-    return torch.where(norms > median, median / norms, torch.ones((), dtype=norms.dtype, device=norms.device))
+    return torch.where(norms > median, median / norms, 1.0)
 
 
-def segment_sums(squares: torch.Tensor, segment: torch.Tensor, tensors: int) -> torch.Tensor:
-    """Per-tensor sums: squares [W, N] (each sender's row), segment [N] int64 (each entry's
-    tensor, in [0, tensors)) -> [W, tensors], one index_add_ for all senders."""
-    out = torch.zeros(squares.shape[0], tensors, dtype=squares.dtype, device=squares.device)
-    return out.index_add_(1, segment, squares)
+def segment_sums(squares: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Per-tensor sums of each sender's row: squares [W, N], a row the tensors' entries end to
+    end, `lengths` [T] int64 on the device (each >= 1) -> [W, T]. One segmented reduction,
+    each segment summed in element order: no float atomics (an index_add_ of many entries
+    into one slot adds in the order its atomics land on a GPU, and ranks would then clip by
+    factors that differ in the last bit)."""
+    world = squares.shape[0]
+    sums = torch.segment_reduce(squares.reshape(-1), "sum", lengths=lengths.repeat(world), unsafe=True)
+    return sums.view(world, -1)
 
 
-def clip_rows(values: torch.Tensor, segment: torch.Tensor, tensors: int) -> torch.Tensor:
+def clip_rows(values: torch.Tensor, segment: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """values [W, N] with each sender's values of tensor t scaled by c_{s,t} (module
-    docstring); a new tensor (the senders' decoded rows are left as they are)."""
-    c = factors(segment_sums(values.square(), segment, tensors))
+    docstring): segment [N] int64 each value's tensor, `lengths` [T] the tensors' value counts
+    (their values contiguous, in tensor order). A new tensor: the decoded rows stay as they are."""
+    c = factors(segment_sums(values.square(), lengths))
     return values * c.gather(1, segment.expand(values.shape[0], -1))
 
 
-def clip_chunks(values: torch.Tensor, chunk_tensor: torch.Tensor, tensors: int) -> torch.Tensor:
-    """DeMo's grouped values [W, chunks, k]: chunk_tensor [chunks] names each chunk's tensor;
-    each sender's chunks of tensor t scaled by c_{s,t}."""
-    c = factors(segment_sums(values.square().sum(-1), chunk_tensor, tensors))     # Σ over chunks of Σ_k v²
+def clip_chunks(values: torch.Tensor, chunk_tensor: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """DeMo's grouped values [W, chunks, k]: chunk_tensor [chunks] each chunk's tensor,
+    `lengths` [T] the tensors' chunk counts; each sender's chunks of tensor t scaled by c_{s,t}."""
+    c = factors(segment_sums(values.square().sum(-1), lengths))          # Σ over chunks of Σ_k v²
     return values * c.gather(1, chunk_tensor.expand(values.shape[0], -1)).unsqueeze(-1)
 
 

@@ -246,6 +246,8 @@ class SparseLoCo(DiLoCo):
     def _encode(self, step: int, layout: list[Member], exchange) -> None:
         """The local step; at a sync, then every parameter's Δ̂ into the message and e' aside
         (grouped: `sparseloco_groups.encode`)."""
+        if exchange is not None and self.clip:               # before anything moves or is sent
+            sparseloco_groups.check_clip_layout(self, layout)
         self._local_step(step, layout)
         if exchange is not None and self.grouped:
             sparseloco_groups.encode(self, step, layout, exchange.payload)
@@ -346,8 +348,6 @@ class SparseLoCo(DiLoCo):
         if delivery.rows is not None:                               # a store round without some ranks:
             own = None                                              # rows are not indexed by rank
         arrived, self._arrived = self._arrived, None
-        if self.clip and not self.grouped:
-            raise ValueError(f"clip={self.clip!r} runs on the grouped path only: set grouped back to True")
         if self.grouped:
             read = arrived[1] if arrived is not None and arrived[0] is rows else None   # else not read by `_arrival`
             sparseloco_groups.apply(self, step, layout, rows, read)

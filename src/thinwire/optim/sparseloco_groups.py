@@ -252,8 +252,8 @@ def apply(opt, step: int, layout: list[Member], rows: torch.Tensor, arrived: tup
         arrived = g.read(rows)
         raise_malformed(checks.any_of(arrived[2]), f" at step {step}")
     positions, values, _ = arrived
-    if opt.clip:                                            # each sender's tensors to the median norm
-        values = _clipped(g, values)
+    if opt.clip and rows.shape[0] > 1:                      # each sender's tensors to the median norm (1 row: × 1)
+        values = clip_rows(values, g.segment.row, g.segment.lengths)
     n = opt._unsent.numel()
     mean = opt._mean = reuse(opt._mean, n, torch.float32, device)
     means = _views(mean, g, layout)
@@ -288,13 +288,15 @@ def apply(opt, step: int, layout: list[Member], rows: torch.Tensor, arrived: tup
     _rejoin(opt, g, layout, anchors)
 
 
-def _clipped(g: GroupedSparseLoCo, values: torch.Tensor) -> torch.Tensor:
-    """`median_clip.clip_rows` of every rank's kept values [W, K] by tensor (`g.segment.row`:
-    each kept value's tensor); a tensor left to the per-tensor code (`alone`) cannot be clipped."""
+def check_clip_layout(opt, layout: list[Member]) -> None:
+    """ValueError unless every tensor of `layout` can be clipped: the median-norm clip runs on
+    the grouped landing (`apply`), and the per-tensor code (`alone`, or grouped False) has none."""
+    if not opt.grouped:
+        raise ValueError(f"clip={opt.clip!r} runs on the grouped path only: set grouped back to True")
+    g = grouped_for(opt, layout)
     if g.alone:
-        raise ValueError("clip='median-norm' needs every parameter on the grouped path (float32, bf16 or fp16); "
-                         f"these are not: {[g.shapes[i] for i in g.alone]}")
-    return clip_rows(values, g.segment.row, g.segment.rows)
+        raise ValueError(f"clip={opt.clip!r} runs on the grouped path only, and these parameters are not "
+                         f"float32, bf16 or fp16: {[g.shapes[i] for i in g.alone]}")
 
 
 def add_own(opt, step: int, layout: list[Member], own: torch.Tensor) -> None:
