@@ -1,7 +1,7 @@
 """A tiny model trained by DeMo or SparseLoCo on 2 sites, over gloo or through a store.
 
     run_gloo(kind)                                  # tests.dist: 2 gloo processes
-    run_store(kind, url, round_timeout, late=None, options=None)  # 2 processes sharing only the store
+    run_store(kind, url, round_timeout, late=None, options=None, patience=2)  # 2 processes sharing only the store
     late = (rank, step, seconds): that site sleeps before its step() of `step`
     late = (rank, step, seconds, "nan"): and its gradients are not finite there
 
@@ -76,27 +76,25 @@ def run_gloo(kind: str) -> list[dict]:
     return run_workers(train, world_size=2, args=(kind,))
 
 
-def _site_main(rank: int, tmpdir: str, kind: str, url: str, round_timeout: float, late, options) -> None:
+def _site_main(tmpdir: str, rank: int, kind: str, url: str, round_timeout: float, late, options, patience) -> None:
     torch.set_num_threads(1)
     path = os.path.join(tmpdir, f"result{rank}.pt")
     try:
         group = StoreGroup(url, SITES[rank], SITES, KEY, CONFIG, round_timeout, join_timeout=120.0,
-                           poll=(0.01, 0.1), options=options)
+                           poll=(0.01, 0.1), patience=patience, options=options)
         torch.save(("ok", train(rank, len(SITES), kind, group, late)), path)
     except BaseException:
         torch.save(("error", traceback.format_exc()), path)
     exit_process(0)
 
 
-def run_store(kind: str, url: str, round_timeout: float, late=None, options: dict | None = None,
-              timeout: float = 180.0, raises: bool = False) -> list:
-    """One process per site, sharing nothing but the store at `url` (`options`: its S3 settings).
-    raises=True: a site that raised gives its traceback (a str) instead of failing the call."""
+def run_processes(target, args: list[tuple], timeout: float) -> list[tuple | int]:
+    """One process per entry of `args`, `target(tmpdir, i, *args[i])`, which saves its
+    (status, value) at tmpdir/result{i}.pt; waited for up to `timeout` in all, the hung ones
+    killed. Per process: its (status, value), or its exit code when it saved nothing."""
     ctx = mp.get_context(start_method())
     with tempfile.TemporaryDirectory() as tmpdir:
-        procs = [ctx.Process(target=_site_main, args=(r, tmpdir, kind, url, round_timeout, late, options or {}),
-                             daemon=True)
-                 for r in range(len(SITES))]
+        procs = [ctx.Process(target=target, daemon=True, args=(tmpdir, i, *a)) for i, a in enumerate(args)]
         for proc in procs:
             proc.start()
         deadline = time.monotonic() + timeout
@@ -105,15 +103,26 @@ def run_store(kind: str, url: str, round_timeout: float, late=None, options: dic
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        results, errors = [], []
-        for r in range(len(SITES)):
-            path = os.path.join(tmpdir, f"result{r}.pt")
-            if not os.path.exists(path):
-                errors.append(f"site {r}: hung or died (exit code {procs[r].exitcode})")
-                continue
-            status, value = torch.load(path, weights_only=False)
-            if status == "error" and not raises:
-                errors.append(f"site {r} raised:\n{value}")
-            results.append(value)
-        assert not errors, "\n".join(errors)
-        return results
+        paths = [os.path.join(tmpdir, f"result{i}.pt") for i in range(len(procs))]
+        return [torch.load(path, weights_only=False) if os.path.exists(path) else proc.exitcode
+                for path, proc in zip(paths, procs)]
+
+
+def run_store(kind: str, url: str, round_timeout: float, late=None, options: dict | None = None,
+              timeout: float = 180.0, raises: bool = False, patience: int = 2) -> list:
+    """One process per site, sharing nothing but the store at `url` (`options`: its S3 settings).
+    raises=True: a site that raised gives its traceback (a str) instead of failing the call.
+    patience: late rounds before a site is presumed gone (`RoundExchange`)."""
+    outcomes = run_processes(_site_main, [(kind, url, round_timeout, late, options or {}, patience)] * len(SITES),
+                             timeout)
+    results, errors = [], []
+    for r, outcome in enumerate(outcomes):
+        if not isinstance(outcome, tuple):
+            errors.append(f"site {r}: hung or died (exit code {outcome})")
+            continue
+        status, value = outcome
+        if status == "error" and not raises:
+            errors.append(f"site {r} raised:\n{value}")
+        results.append(value)
+    assert not errors, "\n".join(errors)
+    return results

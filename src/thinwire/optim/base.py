@@ -310,7 +310,7 @@ class CommunicatingOptimizer(AlgorithmHooks, ElasticRule, OverlapSteps, Envelope
         a mismatch raises PeerMismatchError on every rank before any payload is sent.
         `extra` travels in the handshake but is not remembered (the step, after a load)."""
         if description != self._agreed:
-            handshake(self.comm, f"{description} {extra}".rstrip())
+            handshake(self.comm, description, extra)
             self._agreed = description
 
 

@@ -242,11 +242,23 @@ def fingerprint(description: str) -> torch.Tensor:
     return torch.tensor(list(digest), dtype=torch.uint8)
 
 
-def handshake(comm: Communicator, description: str) -> None:
-    """Raise PeerMismatchError on every rank unless all ranks have the same description."""
+def handshake(comm: Communicator, description: str, extra: str = "") -> None:
+    """Raise PeerMismatchError on every rank unless all ranks have the same description (and
+    `extra`, the step). Over the store exchange a handshake after the run's first takes no
+    round: this rank's description alone is compared with the one the run recorded (a site
+    joining later has no round shared with every site; docs/design.md, "The store exchange")."""
     if comm.world_size == 1:
         return  # nobody to disagree with
-    mine = fingerprint(description)
+    hook = getattr(comm, "recorded_description", None)      # the store exchange's (thinwire.store)
+    layout = fingerprint(description)
+    recorded = None if hook is None else hook(layout)
+    if recorded is not None:
+        if not torch.equal(recorded, layout):
+            raise PeerMismatchError(
+                "parameter shapes, dtypes or wire settings differ from those the run recorded at its first "
+                f"handshake (site {comm.rank} joining the store exchange). This rank has:\n{description[:2000]}")
+        return
+    mine = fingerprint(f"{description} {extra}".rstrip())
     everyone = comm.all_gather(mine, tag="handshake")
     differs = (everyone != mine[None]).any(dim=1).nonzero().flatten().tolist()
     if differs:

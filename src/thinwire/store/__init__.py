@@ -31,11 +31,14 @@ round r is open). Nothing runs at import; obstore is imported when an s3:// loca
 
 from .envelope import REASONS, RejectedMessage, SignedMessage, open_envelope, run_fingerprint, seal
 from .locations import FileLocation, Location, LocationError, StoreTraffic
-from .manifest import Manifest
+from .manifest import Manifest, newest_closed_round
+from .liveness import Liveness
 from .rounds import ExchangeError, RoundExchange, RoundResult
 from .communicator import StoreCommunicator, StoreGroup
+from .snapshots import joiner_state, latest_snapshot, publish_snapshot
 from .urls import open_location
 
-__all__ = ["REASONS", "ExchangeError", "FileLocation", "Location", "LocationError", "Manifest", "RejectedMessage",
-           "RoundExchange", "RoundResult", "SignedMessage", "StoreCommunicator", "StoreGroup", "StoreTraffic",
-           "open_envelope", "open_location", "run_fingerprint", "seal"]
+__all__ = ["REASONS", "ExchangeError", "FileLocation", "Liveness", "Location", "LocationError", "Manifest",
+           "RejectedMessage", "RoundExchange", "RoundResult", "SignedMessage", "StoreCommunicator", "StoreGroup",
+           "StoreTraffic", "joiner_state", "latest_snapshot", "newest_closed_round", "open_envelope",
+           "open_location", "publish_snapshot", "run_fingerprint", "seal"]

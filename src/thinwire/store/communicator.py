@@ -18,8 +18,15 @@ can hold a message that missed take it (`STORE_EXCHANGE`); the others refuse it 
 construction (docs/design.md, "The store exchange").
 
 Rounds are numbered by the order of the collectives, which every site issues alike: round 0
-is the first handshake. A handshake round waits `join_timeout` (sites start at different
-times) and needs every site: a site missing from it raises `ExchangeError`.
+is the first handshake. It waits `join_timeout` for every site (sites start at different
+times) and closes without the ones still missing: they join later. The sites it holds compare
+their descriptions as over torch.distributed (PeerMismatchError on each); each also records
+its layout's fingerprint once in the store (`DESCRIPTION_KEY`, signed, the first writer's
+kept). Every later handshake (a site joining a run already going with `first_round` after
+the newest closed round, a site restarted from a checkpoint, a load_state_dict) takes no
+round, which would take a number the others use for data: it compares this site's layout
+fingerprint with the recorded one (`StoreCommunicator.recorded_description`), and a site
+that missed round 0 compares with the messages round 0 agreed.
 """
 
 from __future__ import annotations
@@ -31,22 +38,31 @@ import torch
 
 from ..comm import Communicator
 from ..comm.stats import CommStats
+from .envelope import RejectedMessage, open_envelope
+from .manifest import manifest_key
 from .rounds import ExchangeError, RoundExchange, RoundResult
 
 HANDSHAKE_TAG = "handshake"
+DESCRIPTION_KEY = "run/description"      # the layout fingerprint of the run's first handshake
 
 
 class StoreGroup:
     """The sites of a run and this site's end of their store (`RoundExchange`'s arguments,
-    plus `join_timeout`: how long a handshake round waits for every site, and `first_round`:
-    the round the first collective uses, for a run continued in a location already used)."""
+    plus `join_timeout`: how long the first handshake round waits for every site, and
+    `first_round`: the round the first collective uses: after the newest closed round
+    (`newest_closed_round`) for a site joining a run already going, or after the round of the
+    snapshot it starts from (`snapshots.latest_snapshot`); the rounds between return at once
+    from their manifests)."""
 
     def __init__(self, location, site: str, sites, key, fingerprint, round_timeout: float = 90.0, *,
                  join_timeout: float = 600.0, first_round: int = 0, **options):
         self.rounds = RoundExchange(location, site, sites, key, fingerprint, round_timeout, **options)
         self.join_timeout = float(join_timeout)
+        if isinstance(first_round, bool) or not isinstance(first_round, int) or first_round < 0:
+            raise ValueError(f"first_round must be an int >= 0, got {first_round!r}")
         self.next_round = int(first_round)
         self.results: list[RoundResult] = []          # every round this site took part in, in order
+        self.snapshot_round: int | None = None          # the newest snapshot this site wrote (`snapshots`)
 
     @property
     def rank(self) -> int:
@@ -60,6 +76,25 @@ class StoreGroup:
     def missed_rounds(self) -> list[int]:
         """The rounds whose manifest left this site's message out."""
         return [r.round for r in self.results if not r.included]
+
+    @property
+    def presumed_gone(self) -> bool:
+        """This site's message was late in the last `patience` rounds it settled: the others,
+        reading the same manifests, no longer wait for it (`liveness.py`)."""
+        live = self.rounds.liveness
+        return live.own >= live.patience
+
+    def behind(self) -> bool:
+        """The round the next collective takes has closed already: this site is catching up
+        (a joiner after its snapshot's round, a straggler), its message will miss it."""
+        return self.rounds.location.get(manifest_key(self.next_round)) is not None
+
+    def catching_up(self) -> bool:
+        """Whether a training loop should skip this step's forward and backward and step with
+        zero gradients: behind (its message misses the round anyway, so the round costs one
+        read, not a step's compute), or presumed gone (the others do not wait for it: it gets
+        back in only by publishing before they close, so it sends without computing)."""
+        return self.presumed_gone or self.behind()
 
     def communicator(self) -> StoreCommunicator:
         return StoreCommunicator(self)
@@ -141,11 +176,25 @@ class StoreCommunicator:
         if async_op:
             return pending
         pending.wait()
-        if pending.absent and tag == HANDSHAKE_TAG:
-            missing = [self.store.rounds.sites[r] for r in pending.absent]
-            raise ExchangeError(f"round {round_} (a handshake): site(s) {missing} did not join within "
-                                f"{self.store.join_timeout} s; every site must take part in a handshake")
+        if tag == HANDSHAKE_TAG:            # absent sites join later and compare then: rows as this site's
+            out[list(pending.absent)] = buf.to(out.device)
         return out
+
+    def recorded_description(self, mine: torch.Tensor) -> torch.Tensor | None:
+        """The handshake hook (`optim.protocol.handshake`): None when this handshake is the run's
+        first (round 0, or the first collective in a location with no recorded description):
+        then it takes a round, and `mine` (this site's layout fingerprint) is recorded for the
+        sites that join later. Otherwise the recorded fingerprint, to compare with, and no round."""
+        rounds = self.store.rounds
+        blob = None if self.store.next_round == 0 else rounds.location.get(DESCRIPTION_KEY)
+        if blob is None:
+            rounds.location.put_once(DESCRIPTION_KEY, rounds._seal(0, mine.cpu().numpy().tobytes()))
+            return None
+        try:
+            message = open_envelope(blob, key=rounds.key, fingerprint=rounds.fingerprint, round=0)
+        except RejectedMessage as err:
+            raise ExchangeError(f"{DESCRIPTION_KEY} in the store is not this run's: {err}") from err
+        return torch.frombuffer(bytearray(message.payload), dtype=torch.uint8)
 
     def _land(self, result: RoundResult, out: torch.Tensor, tag: str, nbytes: int) -> tuple[int, ...]:
         """The round's messages into their rows of `out`; counted; the absent ranks returned."""

@@ -76,3 +76,10 @@ class Manifest:
                    accepted={str(s): str(d) for s, d in fields["accepted"].items()},
                    rejected={str(s): str(r) for s, r in fields["rejected"].items()},
                    late=tuple(str(s) for s in fields["late"]))
+
+
+def newest_closed_round(location) -> int | None:
+    """The newest round of `location` that has a manifest, None when none has: where a site
+    joining a run already going finds how far the run is."""
+    closed = [k for k in location.list("rounds") if k.endswith("/manifest")]
+    return max((int(k.split("/")[1]) for k in closed), default=None)

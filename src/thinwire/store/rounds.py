@@ -15,6 +15,9 @@ A site whose message is not in the manifest (late, or its key held something els
 so (`included` is False): it must keep what it computed and fold it into a later message,
 so nothing is lost and every replica still applies the same set. A straggler that arrives
 after the manifest finds it on its first poll and gets the same answer, without waiting.
+
+A site late in `patience` rounds in a row is presumed gone (`liveness.py`): rounds stop
+waiting for it, and take its message again whenever it is there when they close.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from .liveness import Liveness
 from .envelope import FINGERPRINT_NBYTES, RejectedMessage, open_envelope, run_fingerprint, seal
 from .locations import Location, StoreTraffic
 from .urls import open_location
@@ -51,6 +55,7 @@ class RoundResult:
     closed_by / closed_here: the site whose manifest won; whether that was this site.
     waited_s: seconds from this site's exchange call to its answer.
     traffic: this round's requests and bytes at this site's location (this call's only).
+    gone: the sites this site presumed gone once this round settled (`Liveness`).
     """
 
     round: int
@@ -63,6 +68,7 @@ class RoundResult:
     closed_here: bool
     waited_s: float
     traffic: StoreTraffic
+    gone: tuple[str, ...] = ()
 
     @property
     def missed_because(self) -> str | None:
@@ -82,11 +88,14 @@ class RoundExchange:
         the round with whoever arrived.
     poll: (first, longest) wait between listings; each wait doubles up to the longest.
     readers: messages read in parallel.
+    patience: late rounds in a row after which a site is presumed gone and rounds stop
+        waiting for it (`liveness.py`).
     """
 
     def __init__(self, location: str | Location, site: str, sites, key: str | bytes,
                  fingerprint: str | bytes, round_timeout: float = 90.0, *,
-                 poll: tuple[float, float] = (0.05, 1.0), readers: int = 8, options: dict | None = None):
+                 poll: tuple[float, float] = (0.05, 1.0), readers: int = 8, patience: int = 2,
+                 options: dict | None = None):
         self.location = location if isinstance(location, Location) else open_location(location, **(options or {}))
         self.site = check_site(site)
         self.sites = tuple(sorted({check_site(s) for s in sites}))
@@ -96,6 +105,7 @@ class RoundExchange:
         raw = isinstance(fingerprint, bytes) and len(fingerprint) == FINGERPRINT_NBYTES
         self.fingerprint = fingerprint if raw else run_fingerprint(fingerprint)
         self.round_timeout, self.poll, self.readers = float(round_timeout), poll, readers
+        self.liveness = Liveness(self.site, self.sites, patience)
         self._published: tuple[int, bytes] | None = None    # (round, object): no need to read it back
 
     def exchange(self, round: int, payload: bytes, timeout: float | None = None) -> RoundResult:
@@ -134,8 +144,9 @@ class RoundExchange:
         return seal(payload, key=self.key, fingerprint=self.fingerprint, round=round, site=self.site)
 
     def _wait(self, round: int, deadline: float) -> list[str]:
-        """The round folder's keys once it is complete or closed, or at the deadline."""
-        delay, wanted = self.poll[0], {message_key(round, s) for s in self.sites}
+        """The round folder's keys once every awaited site is in (all but those presumed
+        gone) or the round is closed, or at the deadline."""
+        delay, wanted = self.poll[0], {message_key(round, s) for s in self.liveness.awaited(self.sites)}
         while True:
             keys = self.location.list(round_folder(round))
             if manifest_key(round) in keys or wanted <= set(keys):
@@ -162,13 +173,14 @@ class RoundExchange:
     def _result(self, round: int, manifest: Manifest, verified: dict[str, tuple[str, bytes]],
                 closed_here: bool, start: float, before: StoreTraffic) -> RoundResult:
         messages = self._settle(round, manifest, verified)
+        self.liveness.settle(round, manifest.accepted, manifest.late)
         included = self.site in manifest.accepted
         if not included:
             log.warning("round %d: %s's message is not in the manifest (%s); keep it for a later round",
                         round, self.site, manifest.rejected.get(self.site, "late"))
         return RoundResult(round, self.site, messages, included, manifest.late, dict(manifest.rejected),
                            manifest.closed_by, closed_here, time.monotonic() - start,
-                           self.location.traffic.minus(before))
+                           self.location.traffic.minus(before), self.liveness.gone)
 
     def _judge(self, round: int, keys: list[str]) -> tuple[dict[str, tuple[str, bytes]], Manifest]:
         """Verify every message in `keys`: (site -> (digest, payload) of the genuine ones,
