@@ -15,7 +15,7 @@ import torch
 
 import thinwire
 from thinwire.optim.protocol import PeerMismatchError
-from thinwire.store import StoreGroup, joiner_state, publish_snapshot
+from thinwire.store import StoreGroup, joiner_state, newest_closed_round, publish_snapshot
 from thinwire.store.liveness import Liveness
 
 from .membership_sites import CONFIG, KEY, PATIENCE, run_sites
@@ -90,21 +90,48 @@ def test_a_joiner_with_another_layout_is_refused_without_taking_a_round(runs):
     with pytest.raises(PeerMismatchError, match="differ from those the run recorded"):
         opt.step()
     assert group.results == [] and group.next_round == STEPS + 1
+    assert newest_closed_round(group.rounds.location) == STEPS
+
+
+def _stepped(name: str, tmp_path, steps: int):
+    """A one-site optimizer over a store after `steps` steps, and its model."""
+    group = StoreGroup(tmp_path.as_uri(), "site-a", ["site-a"], KEY, CONFIG)
+    net = torch.nn.Linear(8, 8)
+    make = {"demo": lambda: thinwire.DeMo(net.parameters(), process_group=group, lr=1e-2, topk=4, chunk=8),
+            "sparseloco": lambda: thinwire.SparseLoCo(net.parameters(), process_group=group, sync_every=2,
+                                                      topk=4, chunk=8)}
+    opt = make[name]()
+    for _ in range(steps):
+        net.weight.grad, net.bias.grad = torch.ones(8, 8), torch.ones(8)
+        opt.step()
+    return opt, net, make
 
 
 def test_a_snapshot_keeps_replicated_state_and_zeroes_per_rank_state(tmp_path):
-    group = StoreGroup(tmp_path.as_uri(), "site-a", ["site-a"], KEY, CONFIG)
-    net = torch.nn.Linear(8, 8)
-    opt = thinwire.DeMo(net.parameters(), process_group=group, lr=1e-2, topk=4, chunk=8)
-    for _ in range(2):
-        net.weight.grad, net.bias.grad = torch.ones(8, 8), torch.ones(8)
-        opt.step()
+    opt, _, _ = _stepped("demo", tmp_path, 2)
     assert any(state["momentum"].abs().sum() > 0 for state in opt.state.values())
     state = joiner_state(opt)
     assert state["thinwire_step"] == 2 and "thinwire_comm_stats" not in state
     assert all(not s["momentum"].any() for s in state["state"].values())      # PER_RANK: a new rank's zero
     with pytest.raises(ValueError, match="optimizer: SGD declares no ELASTIC_KINDS"):
-        joiner_state(torch.optim.SGD(net.parameters(), lr=0.1))
+        joiner_state(torch.optim.SGD(opt.params, lr=0.1))
+
+
+def test_a_sparseloco_snapshot_keeps_the_anchor_and_a_joiner_steps_from_it(tmp_path):
+    """SparseLoCo: θ₀ (REPLICATED) copied, e (PER_RANK) zero, the inner AdamW's moments left
+    out (each replica's own: the joiner's start fresh); a new optimizer loads it and steps on."""
+    opt, net, _ = _stepped("sparseloco", tmp_path / "a", 2)
+    state = joiner_state(opt)
+    for n, p in enumerate(opt.params):
+        assert torch.equal(state["outer"][n]["anchor"], opt.state[p]["anchor"])
+        assert opt.state[p]["error"].any() and not state["outer"][n]["error"].any()
+    assert state["inner"]["state"] == {} and opt.inner.state_dict()["state"]
+    joiner, joiner_net, _ = _stepped("sparseloco", tmp_path / "b", 0)
+    joiner_net.load_state_dict(net.state_dict())
+    joiner.load_state_dict(state)
+    joiner_net.weight.grad, joiner_net.bias.grad = torch.ones(8, 8), torch.ones(8)
+    joiner.step()
+    assert joiner._step == 3
 
 
 @pytest.mark.parametrize("patience", [0, -1, 1.5, True, "2"])

@@ -26,7 +26,24 @@ DeMo, SparseLoCo, DiLoCo with a lossy wire; the others refuse it):
     opt = thinwire.DeMo(params, process_group=StoreGroup(url, site, sites, key, fingerprint))
 
 A site that fell behind reads the rounds it missed with `exchange.read_round(r)` (None while
-round r is open). Nothing runs at import; obstore is imported when an s3:// location opens.
+round r is open). A site late in `patience` rounds in a row (default 2) is presumed gone:
+rounds stop waiting for it and take it again when its message is there (`liveness.py`).
+Sites may die, join later or restart: live sites publish snapshots, a joiner starts from
+the latest and catches up (docs/design.md, "Sites that die, join later and come back"):
+
+    publish_snapshot(group, model, opt, every=20)           # live sites, after each step
+    round, state = latest_snapshot(url, key, fingerprint)   # the joiner (None: no snapshot yet)
+    model.load_state_dict(state["model"]); opt.load_state_dict(state["optimizer"])
+    group = StoreGroup(url, site, sites, key, fingerprint, first_round=round + 1)
+    ...
+    if group.catching_up():       # behind, or presumed gone: step with zero gradients
+        zero_gradients(model)
+    else:
+        loss.backward()
+    opt.step()
+
+(The joiner's optimizer is built on its `group` before the load.) Nothing runs at import;
+obstore is imported when an s3:// location opens.
 """
 
 from .envelope import REASONS, RejectedMessage, SignedMessage, open_envelope, run_fingerprint, seal
