@@ -24,11 +24,9 @@ step, the busiest site's inter-site bytes summed over its ranks (gathered after 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-import signal
 import time
 
 import torch
@@ -39,6 +37,7 @@ from .checkpoint import checkpoint_root, expected_meta, latest, save
 from .config import RunOptions
 from .data import load_corpus, train_batch, val_starts, windows
 from .elastic import process_started, resume_from
+from .faults import die_in_save, maybe_die, pace, params_digest, slow_before, step_digest
 from .model import build_model
 from .optimizers import get_optimizer, torch_adamw
 from .probe import AdamWProbe, calibrate
@@ -195,10 +194,14 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
         batches = lambda i: tuple(t.to(device) for t in train_batch(train_ids, cfg, i, shard_rank, shard_world))  # noqa: E731
         adamw = _adamw_probe(built, model, cfg, lr, batches, tiers, options.adamw_probe)
         before = _probes(built, adamw, batches)    # compute-only steps, before and after (probe.py)
+        last_step_s = None
         for step in range(done + 1, cfg.steps + 1):
-            _maybe_die(rank, step)
+            maybe_die(rank, step)
+            slept = slow_before(step, last_step_s)
             x, y = (t.to(device) for t in train_batch(train_ids, cfg, step - 1, shard_rank, shard_world))
             rec = _timed_step(built, sched, x, y, fsdp, last=(step == cfg.steps))
+            last_step_s = rec["step_s"]
+            rec.update(step_digest(model), **({"slept_s": slept} if slept else {}))
             if resumed is not None:
                 now = time.time()                  # first_step_at: wall clock, to time a recovery from outside
                 _write(log, {**resumed, "time_to_recover_s": now - started, "first_step_at": now})
@@ -213,8 +216,8 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
                 bar.note(val)
             if checkpoint_dir and ((checkpoint_every and step % checkpoint_every == 0) or step == cfg.steps):
                 save(checkpoint_dir, step, model, built, sched, meta, rank, extra={"inter_steps": inter_steps},
-                     before_write=_die_in_save(rank, step))
-            _pace()
+                     before_write=die_in_save(rank, step))
+            pace()
         after = _probes(built, adamw, batches)
         probes = {name: calibrate(before[name], after[name]) for name in before}
         if done >= cfg.steps:                      # resumed at the end: the final evaluation again
@@ -250,13 +253,11 @@ def _replicas_identical(model, world: int) -> tuple[bool, str]:
     uncounted harness all-gather of a digest), and this rank's SHA-256 of them, parameter by
     parameter in order, so runs (a --site run's sites) compare without a connection.
     LoRDO and DiLoCo: identical only when the last step was a sync."""
-    digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
-    everyone = [digest.hexdigest()] * world
+    mine = params_digest(model)
+    everyone = [mine] * world
     if world > 1:
-        dist.all_gather_object(everyone, digest.hexdigest())
-    return len(set(everyone)) == 1, digest.hexdigest()
+        dist.all_gather_object(everyone, mine)
+    return len(set(everyone)) == 1, mine
 
 
 def _gather_tiers(tiers: Tiers, world: int, state_bytes: int, inter_steps: list) -> dict:
@@ -316,37 +317,3 @@ def _open_log(log_path: str | None, done: int):
 
 def _kept(record: dict, done: int) -> bool:
     return record.get("kind") != "final" and record.get("step", 0) <= done
-
-
-def _fault(rank: int, step: int) -> str | None:
-    """Fault injection for tests: THINWIRE_DIE_AT="rank:step[:how]" names that rank's fault at
-    that step: "kill" (the default: SIGKILL as it starts the step), "stop" (SIGSTOP there: a
-    silent peer) or "save" (SIGKILL inside that step's checkpoint write, before its own shard
-    is written: `_die_in_save`); on a first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT
-    unset or 0). None: no fault here."""
-    spec = os.environ.get("THINWIRE_DIE_AT")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return None
-    who, when, *how = spec.split(":")
-    return (how or ["kill"])[0] if int(who) == rank and int(when) == step else None
-
-
-def _maybe_die(rank: int, step: int) -> None:
-    how = _fault(rank, step)
-    if how in ("kill", "stop"):
-        os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
-
-
-def _die_in_save(rank: int, step: int):
-    """checkpoint.save's `before_write` hook for THINWIRE_DIE_AT="rank:step:save", else None."""
-    if _fault(rank, step) == "save":
-        return lambda: os.kill(os.getpid(), signal.SIGKILL)
-    return None
-
-
-def _pace() -> None:
-    """Tests and benchmarks: THINWIRE_STEP_SLEEP=SECONDS sleeps after every step, outside its
-    timing, so that tiny's millisecond steps leave time to kill or add a torchrun node mid-run."""
-    pause = float(os.environ.get("THINWIRE_STEP_SLEEP") or 0)
-    if pause > 0:
-        time.sleep(pause)

@@ -1,0 +1,252 @@
+"""Issue 48's runs: sites with no route between them train through a store, one command per site.
+
+Each site is `thinwire train --exchange URL --site NAME --peers ...` with its own workers,
+started with `ip netns exec` inside its own network namespace of `IsolatedSites` (a link of
+--rate to the host namespace, forwarding off: sites reach the store, never each other). The
+store is a folder (file://, a real filesystem shared by the namespaces) or a moto S3-API
+server listening in the host namespace (s3://, reached over each site's shaped link). The
+reference is the same config as one plain torch.distributed (gloo) command on the host with
+every worker. Not a test: it prints tables (markdown).
+
+    python benchmarks/store_sites.py same --preset tiny --optimizers demo,sparseloco --stores file,s3
+    python benchmarks/store_sites.py same --preset wan --steps 100 --optimizers demo,sparseloco
+    python benchmarks/store_sites.py slow --preset tiny --optimizers demo,sparseloco --slow 0.25:3
+    python benchmarks/store_sites.py churn --preset tiny --optimizers demo --kill b:30 --join c:20
+
+same    2 sites x 2 workers: each site's final parameters (SHA-256) against the gloo run's,
+        final validation loss, rounds missed, store requests, wall time.
+slow    site b sleeps FACTOR x its last step before a step with probability P
+        (THINWIRE_SLOW_STEPS, seeded): the other site goes on at its own pace; the sites'
+        parameters compared after every step (THINWIRE_STEP_DIGEST), rounds b missed, final
+        loss against the unslowed store run, and the waiting saved: b's sleeps (what an
+        all-gather would have made every site wait) against what a waited.
+churn   three sites declared; one killed for good at a step, one joining later from the
+        store's snapshot: final loss against an uninterrupted run of the same sites.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from store_round_time import CREDENTIALS, make_bucket, start_s3  # noqa: E402
+
+from thinwire.train.netns_isolated import IsolatedSites  # noqa: E402
+
+THINWIRE = [sys.executable, "-m", "thinwire"]
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("scenario", choices=("same", "slow", "churn"))
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--optimizers", default="demo,sparseloco")
+    p.add_argument("--stores", default="file,s3", help="file, s3 or both (comma-separated)")
+    p.add_argument("--workers", type=int, default=2, help="workers per site")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--rate", default="100mbit", help="each site's link to the store")
+    p.add_argument("--round-timeout", type=float, default=10.0)
+    p.add_argument("--slow", default="0.25:3", help="slow: P:FACTOR for site b")
+    p.add_argument("--kill", default="b:30", help="churn: SITE:STEP killed for good")
+    p.add_argument("--join", default="c:20", help="churn: SITE:STEP (of the others) it starts at")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="keep the runs' logs here (default: a temporary folder)")
+    return p.parse_args()
+
+
+def rate_bps(text: str) -> float:
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for unit, scale in units.items():
+        if text.endswith(unit):
+            return float(text[:-len(unit)]) * scale
+    raise SystemExit(f"--rate must look like 100mbit, got {text!r}")
+
+
+def common(args, optimizer: str) -> list[str]:
+    extra = ["--steps", str(args.steps)] if args.steps else []
+    return ["train", "--preset", args.preset, "--optimizer", optimizer, "--quiet", "--no-adamw-probe",
+            "--seed", str(args.seed), *extra]
+
+
+def reference(args, optimizer: str, sites: int, out: Path) -> dict:
+    """The same config as one gloo command with every worker (no store)."""
+    t0 = time.time()
+    subprocess.run([*THINWIRE, *common(args, optimizer), "--workers", str(sites * args.workers),
+                    "--out", str(out)], check=True, env=os.environ.copy())
+    return {**final(out / f"{optimizer}.jsonl"), "wall_s": time.time() - t0}
+
+
+def final(log: Path) -> dict:
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    return next(r for r in reversed(records) if r.get("kind") == "final")
+
+
+def steps(log: Path) -> list[dict]:
+    return [r for r in (json.loads(line) for line in log.read_text().splitlines() if line.strip())
+            if r.get("kind") == "step"]
+
+
+class Store:
+    """file:// (a folder) or s3:// (moto in the host namespace): the URL and each site's env."""
+
+    def __init__(self, kind: str, root: Path):
+        self.kind, self.server = kind, None
+        if kind == "file":
+            self.url = (root / "store").as_uri()
+        else:
+            self.server, self.port = start_s3()
+            self.url = f"s3://{make_bucket(self.port)}/runs"
+
+    def env(self, net: IsolatedSites, site: int) -> dict:
+        if self.kind == "file":
+            return {}
+        return {"AWS_ENDPOINT_URL": f"http://{net.store_address(site)}:{self.port}", "AWS_ALLOW_HTTP": "true",
+                "AWS_ACCESS_KEY_ID": CREDENTIALS["access_key_id"], "AWS_REGION": CREDENTIALS["region"],
+                "AWS_SECRET_ACCESS_KEY": CREDENTIALS["secret_access_key"]}
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+def start_site(args, optimizer: str, net: IsolatedSites, store: Store, index: int, name: str,
+               peers: list[str], key: str, out: Path, env: dict | None = None, extra=()) -> subprocess.Popen:
+    """One site's command inside its namespace (its own process group, so it can be killed whole)."""
+    cmd = ["ip", "netns", "exec", net.namespaces[index], *THINWIRE, *common(args, optimizer),
+           "--workers", str(args.workers), "--exchange", store.url, "--site", name, "--peers", ",".join(peers),
+           "--round-timeout", str(args.round_timeout), "--out", str(out / name), *extra]
+    full = {**os.environ, "THINWIRE_EXCHANGE_KEY": key, **store.env(net, index), **(env or {})}
+    return subprocess.Popen(cmd, env=full, start_new_session=True)
+
+
+def wait_all(procs: dict[str, subprocess.Popen]) -> dict[str, int]:
+    return {name: p.wait() for name, p in procs.items()}
+
+
+def site_row(label: str, out: Path, optimizer: str, ref: dict | None, wall: float) -> dict:
+    rec = final(out / f"{optimizer}.jsonl")
+    store = rec.get("store", {})
+    traffic = store.get("traffic", {})
+    return {"run": label, "val_loss": rec["val_loss"], "params_sha256": rec["params_sha256"][:12],
+            "same_as_gloo": None if ref is None else rec["params_sha256"] == ref["params_sha256"],
+            "missed": store.get("missed_rounds"), "puts": traffic.get("puts"), "gets": traffic.get("gets"),
+            "lists": traffic.get("lists"), "wall_s": round(wall, 1)}
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+    print(f"\n### {title}\n")
+    if not rows:
+        return
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for r in rows:
+        print("| " + " | ".join(f"{v:.6f}" if isinstance(v, float) and k == "val_loss" else str(v)
+                                for k, v in r.items()) + " |")
+    sys.stdout.flush()
+
+
+def run_sites(args, optimizer, net, store, names, key, out, envs=None) -> tuple[dict, float]:
+    t0 = time.time()
+    procs = {n: start_site(args, optimizer, net, store, i, n, names, key, out, (envs or {}).get(n))
+             for i, n in enumerate(names)}
+    codes = wait_all(procs)
+    if any(codes.values()):
+        raise SystemExit(f"a site failed: {codes} (logs under {out})")
+    return codes, time.time() - t0
+
+
+def same(args, root: Path) -> None:
+    names = ["a", "b"]
+    for optimizer in args.optimizers.split(","):
+        ref = reference(args, optimizer, len(names), root / f"gloo-{optimizer}")
+        rows = [{"run": f"gloo, {len(names) * args.workers} workers, one command", "val_loss": ref["val_loss"],
+                 "params_sha256": ref["params_sha256"][:12], "same_as_gloo": True, "missed": None, "puts": None,
+                 "gets": None, "lists": None, "wall_s": round(ref["wall_s"], 1)}]
+        for kind in args.stores.split(","):
+            store, key = Store(kind, root / f"{kind}-{optimizer}"), secrets.token_hex(32)
+            try:
+                with IsolatedSites(len(names), rate_bps(args.rate)) as net:
+                    out = root / f"{kind}-{optimizer}"
+                    _, wall = run_sites(args, optimizer, net, store, names, key, out)
+                    rows += [site_row(f"{kind}://, site {n}", out / n, optimizer, ref, wall) for n in names]
+            finally:
+                store.close()
+        print_table(f"{optimizer} on {args.preset}: 2 sites x {args.workers} workers, no route between them, "
+                    f"{args.rate} to the store", rows)
+
+
+def main() -> None:
+    args = parse()
+    root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="store-sites-"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"logs under {root}; load {os.getloadavg()[0]:.2f}")
+    {"same": same, "slow": slow, "churn": churn}[args.scenario](args, root)
+
+
+def logs(out: Path, optimizer: str, names) -> dict[str, list[dict]]:
+    return {n: [json.loads(line) for line in (out / n / f"{optimizer}.jsonl").read_text().splitlines() if line]
+            for n in names}
+
+
+def slow_row(label: str, records: dict, optimizer: str, base_loss: float | None, wall: float) -> list[dict]:
+    """Per site: its loss, rounds missed, seconds slept and waited, and replica agreement after every
+    step both sites synced (DeMo: every step; SparseLoCo: the sync steps)."""
+    steps = {n: {r["step"]: r for r in rs if r.get("kind") == "step"} for n, rs in records.items()}
+    a, b = list(steps)
+    synced = [s for s in steps[a] if steps[a][s]["collectives"] and s in steps[b] and steps[b][s]["collectives"]]
+    differ = sum(steps[a][s]["params_sha256"] != steps[b][s]["params_sha256"] for s in synced)
+    rows = []
+    for n, rs in records.items():
+        rec = next(r for r in reversed(rs) if r.get("kind") == "final")
+        store = rec["store"]
+        rows.append({"run": f"{label}, site {n}", "val_loss": rec["val_loss"],
+                     "vs unslowed %": "" if base_loss is None else f"{100 * (rec['val_loss'] / base_loss - 1):+.2f}",
+                     "rounds": store["participants"][0]["rounds"], "missed": store["missed_rounds"],
+                     "slept s": round(sum(r.get("slept_s", 0) for r in steps[n].values()), 1),
+                     "waited s": round(sum(p["waited_s"] for p in store["participants"]) / len(store["participants"]), 1),
+                     "synced steps differing": f"{differ} of {len(synced)}", "wall s": round(wall, 1)})
+    return rows
+
+
+def slow(args, root: Path) -> None:
+    """Each optimizer through the first store kind: unslowed, then with site b slowed."""
+    names, kind = ["a", "b"], args.stores.split(",")[0]
+    digests = {n: {"THINWIRE_STEP_DIGEST": "1"} for n in names}
+    slowed = {**digests, "b": {**digests["b"], "THINWIRE_SLOW_STEPS": f"{args.slow}:{args.seed}"}}
+    for optimizer in args.optimizers.split(","):
+        rows, base = [], None
+        for label, envs in (("unslowed", digests), (f"b slowed {args.slow}", slowed)):
+            store, key, out = Store(kind, root / f"slow-{label}-{optimizer}"), secrets.token_hex(32), \
+                root / f"slow-{optimizer}-{len(rows)}"
+            try:
+                with IsolatedSites(len(names), rate_bps(args.rate)) as net:
+                    _, wall = run_sites(args, optimizer, net, store, names, key, out, envs)
+            finally:
+                store.close()
+            new = slow_row(label, logs(out, optimizer, names), optimizer, base, wall)
+            base = new[0]["val_loss"] if base is None else base
+            rows += new
+        print_table(f"{optimizer} on {args.preset} through {kind}://, round timeout {args.round_timeout} s: "
+                    f"site b sleeps {args.slow.split(':')[1]}x its last step with probability "
+                    f"{args.slow.split(':')[0]} before each step", rows)
+
+
+def churn(args, root: Path) -> None:
+    raise SystemExit("churn: not yet")
+
+
+if __name__ == "__main__":
+    main()
