@@ -52,7 +52,8 @@ def test_a_killed_site_stops_costing_the_live_ones_a_deadline(runs):
         assert all(rounds[r][0] >= 0.9 * TIMEOUT_S for r in range(DIE_AT, DIE_AT + PATIENCE))   # waited for it
         assert rounds[DIE_AT + PATIENCE - 1][1] == ("site-c",)                                # then presumed gone
         gone_rounds = [r for r, (_, gone) in rounds.items() if r >= DIE_AT + PATIENCE and gone]
-        assert gone_rounds and max(rounds[r][0] for r in gone_rounds) < 0.4 * TIMEOUT_S
+        waits = sorted(rounds[r][0] for r in gone_rounds)              # measured: 0.005 to 0.05 s
+        assert waits and waits[len(waits) // 2] < 0.2 * TIMEOUT_S and waits[-1] < 0.6 * TIMEOUT_S
     assert all(same(a["params"][s], b["params"][s]) for s in range(1, STEPS + 1))             # replicas
 
 
@@ -143,6 +144,8 @@ def test_bad_patience_is_refused(patience):
 def test_bad_snapshot_and_first_round_arguments_are_refused(tmp_path):
     with pytest.raises(ValueError, match="first_round must be an int >= 0"):
         StoreGroup(tmp_path.as_uri(), "site-a", ["site-a"], KEY, CONFIG, first_round=-1)
+    with pytest.raises(ValueError, match="patience must be an int >= 1"):
+        StoreGroup(tmp_path.as_uri(), "site-a", ["site-a"], KEY, CONFIG, patience=0)
     group = StoreGroup(tmp_path.as_uri(), "site-a", ["site-a"], KEY, CONFIG, patience=3)
     assert group.rounds.liveness.patience == 3
     for every in (0, -2, 1.0, None):
