@@ -12,7 +12,7 @@ import thinwire
 from thinwire.compress import ChunkedTopK, Payload, SparseLoCoTopK
 from thinwire.optim.median_clip import clip_chunks, clip_reads, clip_rows
 
-from ..dist import run_workers
+from ..dist import outcome_of, run_workers
 
 
 def _reference(rows: list[list[float]], segment: list[int], tensors: int) -> list[list[float]]:
@@ -161,12 +161,28 @@ def _attacked(rank, world):
         out[name] = dict(clip=_one_step(make("median-norm"), True, rank), plain=_one_step(make(None), True, rank),
                          honest=_one_step(make(None), False, rank),
                          honest_norms=_norms(comp, _grads(rank, False)), sent_norms=_norms(comp, _grads(rank, True)))
+    for name, make in (("demo", makers["demo"]), ("sparseloco", makers["sparseloco"])):   # rank 3 does not clip
+        params = [torch.nn.Parameter(t) for t in _start()]
+        opt = make(None if rank == ATTACKER else "median-norm")(params)
+        for p, g in zip(params, _grads(rank, False)):
+            p.grad = g
+        out[name]["mixed"] = outcome_of(opt.step)
     return out
 
 
 @pytest.fixture(scope="module")
 def attacked():
     return run_workers(_attacked, world_size=4)
+
+
+@pytest.mark.parametrize("name", ["demo", "sparseloco"])
+def test_ranks_that_clip_differently_refuse_to_step(attacked, name):
+    """The clip is part of what every rank must share: one rank without it raises
+    PeerMismatchError on every rank before any payload is sent."""
+    for r in attacked:
+        kind, message = r[name]["mixed"]
+        assert kind == "PeerMismatchError", (kind, message)
+        assert "rank 3 disagrees" in message or "disagrees with rank(s) [3]" in message, message
 
 
 @pytest.mark.parametrize("name", ["demo", "demo per-tensor", "sparseloco"])

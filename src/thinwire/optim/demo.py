@@ -173,8 +173,10 @@ class DeMo(CommunicatingOptimizer):
         return self._kept.slots(layout, self.compressor)
 
     def _describe(self, layout: list[Member]) -> str:
-        """What every rank must share (`demo_slots.KeptSlots`)."""
-        return self._kept.describe(self._slots(layout), self.comm.world_size, self.param_groups)
+        """What every rank must share (`demo_slots.KeptSlots`), and the clip (ranks that clip
+        differently would land different updates)."""
+        text = self._kept.describe(self._slots(layout), self.comm.world_size, self.param_groups)
+        return text if self.clip is None else text + f"\nclip={self.clip}"
 
     def _exchange(self, step: int, layout: list[Member]) -> GatherAll:
         slots = self._slots(layout)

@@ -220,7 +220,8 @@ class SparseLoCo(DiLoCo):
         c = self.compressor
         head = (f"{self.kind} world_size={self.comm.world_size} K={self.sync_every} topk={c.topk} chunk={c.chunk} "
                 f"values={c.codec.name} indices={c.indices} transform={c.transform.kind} beta={self.error_decay} "
-                f"alpha={self.outer_lr} aggregate={self.aggregate} delay={self.delay}")
+                f"alpha={self.outer_lr} aggregate={self.aggregate} delay={self.delay}"
+                + ("" if self.clip is None else f" clip={self.clip}"))
         return "\n".join([head, *(f"{tuple(p.shape)} {p.dtype}" for _, p, _ in layout)])
 
     def _exchange(self, step: int, layout: list[Member]):
