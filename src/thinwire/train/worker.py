@@ -92,17 +92,24 @@ def _record(stats, prefix: str = "") -> dict:
             prefix + "link_bytes_received": s.link_bytes_received, prefix + "collectives": s.collectives}
 
 
-def _timed_step(built, sched, x, y, fsdp=None, last: bool = False) -> dict:
+def _timed_step(built, sched, x, y, fsdp=None, last: bool = False, skip: bool = False) -> dict:
     """One optimizer step; its loss, lr, wall time and time blocked in (inter-site) collectives.
-    The last step also flushes an exchange left in flight (overlap=True), inside its time."""
+    The last step also flushes an exchange left in flight (overlap=True), inside its time.
+    `skip`: a store site behind the run's rounds steps with zero gradients, without forward and
+    backward (its message misses the round anyway: `StoreGroup.catching_up`); its loss is None."""
     BLOCKED[0] = 0.0
     t0 = time.perf_counter()
     if not built.counts_itself:
         built.stats.begin_step()              # PowerSGD and HSDP communicate inside backward
     if fsdp is not None:
         fsdp.intra.begin_step()
-    loss = F.cross_entropy(built.model(x).flatten(0, 1), y.flatten())
-    loss.backward()
+    if skip:
+        loss = None
+        for p in built.model.parameters():
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+    else:
+        loss = F.cross_entropy(built.model(x).flatten(0, 1), y.flatten())
+        loss.backward()
     built.optimizer.step()
     if last and hasattr(built.optimizer, "flush"):
         built.optimizer.flush()
@@ -111,7 +118,7 @@ def _timed_step(built, sched, x, y, fsdp=None, last: bool = False) -> dict:
     if x.is_cuda:
         torch.cuda.synchronize()
     step_s = time.perf_counter() - t0
-    return {"loss": float(loss.detach()), "lr": sched.get_last_lr()[0], "step_s": step_s,
+    return {"loss": None if loss is None else float(loss.detach()), **({"caught_up": True} if skip else {}), "lr": sched.get_last_lr()[0], "step_s": step_s,
             "comm_s": min(BLOCKED[0], step_s), **_record(built.stats),
             **(_record(fsdp.intra, "intra_") if fsdp is not None else {})}
 
@@ -199,7 +206,8 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
             maybe_die(rank, step)
             slept = slow_before(step, last_step_s)
             x, y = (t.to(device) for t in train_batch(train_ids, cfg, step - 1, shard_rank, shard_world))
-            rec = _timed_step(built, sched, x, y, fsdp, last=(step == cfg.steps))
+            skip = group is not None and group.catching_up()
+            rec = _timed_step(built, sched, x, y, fsdp, last=(step == cfg.steps), skip=skip)
             last_step_s = rec["step_s"]
             rec.update(step_digest(model), **({"slept_s": slept} if slept else {}))
             if resumed is not None:
@@ -208,7 +216,8 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
                 resumed = None
             inter_steps.append((rec["payload_bytes"], rec["link_bytes_sent"], rec["link_bytes_received"]))
             _write(log, {"kind": "step", "step": step, **rec})
-            bar.update(step, rec["loss"], built.stats.payload_bytes)
+            if rec["loss"] is not None:
+                bar.update(step, rec["loss"], built.stats.payload_bytes)
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 rec = _evaluation(model, val_ids, starts, cfg, rank, world, step, adamw)
                 _write(log, rec)
