@@ -80,6 +80,16 @@ def test_removed_on_exception():
     assert net.namespaces[0] not in _names(["ip", "netns", "list"])
 
 
+@needs_links
+def test_two_at_once_take_different_subnets():
+    # the host ends' addresses are in the host's routing table: a second instance (another
+    # benchmark or test) on the same subnet would steal the first one's traffic
+    with IsolatedSites(2, 50e6) as first, IsolatedSites(2, 50e6) as second:
+        ours = {first.store_address(s) for s in range(2)} | {first.site_address(s) for s in range(2)}
+        theirs = {second.store_address(s) for s in range(2)} | {second.site_address(s) for s in range(2)}
+        assert not ours & theirs
+
+
 @pytest.mark.parametrize("kwargs, name", [({"sites": 0, "rate_bps": 1e6}, "sites"),
                                           ({"sites": 2, "rate_bps": 0}, "rate_bps"),
                                           ({"sites": 2, "rate_bps": 1e6, "delay_s": -1}, "delay_s")])

@@ -7,11 +7,16 @@
 
 This is the store exchange's setting (issue 48: sites behind NAT or outbound-only firewalls,
 which reach an object store and never each other), where `netns.EmulatedLink` puts every site
-on one bridge. Site s is network namespace `tw<pid>i<s>` holding one end of a veth pair named
-`twi` at 10.232.<s>.2/30; the other end, `tw<pid>j<s>`, stays in the host namespace at
-10.232.<s>.1/30, a subnet of its own (the addresses exist only on links created here). The
-site's default route points at the host end, so a packet for another site does reach the host
-— and is dropped there: IPv4 forwarding is switched off on every host end (the per-interface
+on one bridge. Site s is network namespace `tw<pid>b<b>i<s>` holding one end of a veth pair named
+`twi` at 10.232.<s>.<4b+2>/30; the other end, `twb<b>j<s>`, stays in the host namespace at
+10.232.<s>.<4b+1>/30, a subnet of its own (the addresses exist only on links created here).
+The host ends' addresses are in the host's routing table, unlike EmulatedLink's, so two
+instances at once (two benchmarks, a test beside a benchmark) must not share a subnet: each
+takes the first block b (0-63) whose addresses no host interface holds, chosen under a file
+lock, so the names and addresses are known inside the `with` block only.
+
+Each site's default route points at its host end, so a packet for another site does reach the
+host — and is dropped there: IPv4 forwarding is switched off on every host end (the per-interface
 sysctl `net/ipv4/conf/<end>/forwarding`, checked on the interface a packet arrives on), which
 leaves the host-wide setting alone and disappears with the interface. What a site can reach is
 the host's own addresses, where the store listens.
@@ -26,12 +31,17 @@ interpreter exit.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import subprocess
+import tempfile
 
 from .netns import EmulatedLink, _run, _tbf
 
 IFNAME = "twi"
-MAX_SITES = 254          # one /30 per site in 10.232.<s>.0/24
+MAX_SITES = 254          # one /30 per site and instance in 10.232.<s>.0/24
+BLOCKS = 64              # /30s in a /24: instances that can exist at once
+LOCK = os.path.join(tempfile.gettempdir(), "thinwire-isolated-sites.lock")
 
 
 class IsolatedSites:
@@ -46,24 +56,26 @@ class IsolatedSites:
         if delay_s < 0:
             raise ValueError(f"delay_s must be >= 0, got {delay_s}")
         self.sites, self.rate_bps, self.delay_s = sites, rate_bps, delay_s
-        tag = f"tw{os.getpid()}"
-        self.namespaces = [f"{tag}i{s}" for s in range(sites)]
-        self.host_ends = [f"{tag}j{s}" for s in range(sites)]
+        self.namespaces: list[str] = []                          # set by _build, with the block
+        self.host_ends: list[str] = []
         self.ifname = IFNAME
         self._created: list[tuple[str, str]] = []                 # ('netns'|'link', name)
         self._old_sigterm = None
+        self._block: int | None = None                            # set by _build
 
     def store_address(self, site: int) -> str:
         """The host's address on site `site`'s link: where that site reaches the store."""
-        return f"10.232.{self._check(site)}.1"
+        return f"10.232.{self._check(site)}.{4 * self._block + 1}"
 
     def site_address(self, site: int) -> str:
         """Site `site`'s own address (reachable from the host only)."""
-        return f"10.232.{self._check(site)}.2"
+        return f"10.232.{self._check(site)}.{4 * self._block + 2}"
 
     def _check(self, site: int) -> int:
         if not 0 <= site < self.sites:
             raise ValueError(f"site must be in 0..{self.sites - 1}, got {site}")
+        if self._block is None:
+            raise RuntimeError("the sites' addresses exist only inside the `with IsolatedSites(...)` block")
         return site
 
     # The same lifetime as EmulatedLink's: _build() under a SIGTERM handler, close() (newest
@@ -74,8 +86,18 @@ class IsolatedSites:
     close = EmulatedLink.close
 
     def _build(self) -> None:
-        for site in range(self.sites):
-            self._build_site(site)
+        with open(LOCK, "a") as lock:                  # one instance picks and claims a block at a time
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            held = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
+            free = [b for b in range(BLOCKS)
+                    if not any(f" 10.232.{s}.{4 * b + 1}/" in held for s in range(self.sites))]
+            if not free:
+                raise RuntimeError(f"all {BLOCKS} address blocks of 10.232.0.0/16 are in use by other IsolatedSites")
+            self._block = free[0]
+            self.namespaces = [f"tw{os.getpid()}b{self._block}i{s}" for s in range(self.sites)]
+            self.host_ends = [f"twb{self._block}j{s}" for s in range(self.sites)]   # the block is unique
+            for site in range(self.sites):
+                self._build_site(site)
 
     def _build_site(self, site: int) -> None:
         ns, host = self.namespaces[site], self.host_ends[site]
