@@ -48,6 +48,13 @@ def _wait_for(path: str, timeout: float = 60.0) -> None:
         time.sleep(0.005)
 
 
+def _announce(path: str, text: str = "") -> None:
+    """`path` with `text`, appearing whole: a reader polling for it never sees it empty."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
 class _Warnings(logging.Handler):
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -77,7 +84,7 @@ def _train(rank: int, group, side: str, store_dir: str, attacked: bool) -> dict:
         opt.step()
         if step == 1:
             first = group.results[-1].round
-            open(os.path.join(side, f"round-{rank}"), "w").write(str(first))
+            _announce(os.path.join(side, f"round-{rank}"), str(first))
         history.append([t.detach().clone() for t in params] + [opt.state[p]["momentum"].clone() for p in params])
     return {"history": history, "missed": group.missed_rounds, "first": first}
 
@@ -108,7 +115,7 @@ def _attacker_main(out: str, side: str, store_dir: str) -> None:
     """Plants the three objects for rounds r1+1 .. r1+3, then lets the sites go on."""
     try:
         store = open_location(f"file://{store_dir}")
-        open(os.path.join(side, "go-1"), "w").close()
+        _announce(os.path.join(side, "go-1"))
         _wait_for(os.path.join(side, "round-0"))
         first = int(open(os.path.join(side, "round-0")).read())
         genuine = {}
@@ -122,7 +129,7 @@ def _attacker_main(out: str, side: str, store_dir: str) -> None:
         assert store.put_once(message_key(first + 2, "site-b"), genuine["site-b"])
         assert store.put_once(message_key(first + 3, "site-a"), genuine["site-a"][:-40])
         for step in range(2, STEPS + 1):
-            open(os.path.join(side, f"go-{step}"), "w").close()
+            _announce(os.path.join(side, f"go-{step}"))
         torch.save(("ok", first), os.path.join(out, "attacker.pt"))
     except BaseException:
         torch.save(("error", traceback.format_exc()), os.path.join(out, "attacker.pt"))
@@ -149,13 +156,13 @@ def _run(attacked: bool) -> dict:
                 proc.kill()
                 proc.join()
         names = [f"site{r}.pt" for r in range(len(SITES))] + (["attacker.pt"] if attacked else [])
-        results = {}
+        results, errors = {}, []
         for name in names:
             path = os.path.join(tmp, name)
-            assert os.path.exists(path), f"{name}: hung or died"
-            status, value = torch.load(path, weights_only=False)
-            assert status == "ok", f"{name} raised:\n{value}"
+            status, value = torch.load(path, weights_only=False) if os.path.exists(path) else ("error", "hung or died")
             results[name] = value
+            errors += [f"{name} raised:\n{value}"] if status != "ok" else []
+        assert not errors, "\n".join(errors)
         store = open_location(f"file://{store_dir}")
         first = results["site0.pt"]["first"]
         manifests = {}
