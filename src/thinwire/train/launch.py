@@ -62,7 +62,8 @@ def _entry(rank: int, fn, world_size: int, rendezvous: str, threads: int, args: 
     try:
         fn(rank, world_size, *args)
     except Exception as err:
-        if type(err).__name__ == "PeerFailure":      # worker.PeerFailure: one line per survivor
+        if type(err).__name__ in ("PeerFailure", "ExchangeError"):   # a dead peer, a store that contradicts the
+            # agreement (store.ExchangeError): one line per survivor
             print(f"thinwire: error: {err}", file=sys.stderr, flush=True)
             os._exit(1)                              # the group is broken: tearing it down could wait
         raise

@@ -24,7 +24,7 @@ import os
 import sys
 from dataclasses import replace
 
-from .config import RunOptions, TrainConfig
+from .config import RunOptions
 
 KEY_ENV = "THINWIRE_EXCHANGE_KEY"
 MIN_KEY_BYTES = 16                  # 128 bits: shorter is guessable, and HMAC's strength is the key's
@@ -85,8 +85,9 @@ def read_key(opts: RunOptions) -> RunOptions:
     return replace(opts, exchange_key=key)
 
 
-def check_site(cfg: TrainConfig, optimizers: list[str], opts: RunOptions, workers: int) -> None:
-    """ValueError, before any worker starts, when --site/--peers cannot run (after check_exchange)."""
+def check_site(opts: RunOptions, workers: int) -> None:
+    """ValueError, before any worker starts, when --site/--peers cannot run; what any --exchange
+    run needs (a thinwire optimizer, no --sites tiers) store_runs.check_exchange checks."""
     from ..store.manifest import check_site as valid_id
     if not opts.site:
         if opts.peers:

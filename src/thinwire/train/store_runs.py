@@ -76,12 +76,16 @@ def store_group(opts: RunOptions, cfg: TrainConfig, optimizer: str, lr: float, r
     run sign the same one and a site given other --peers is left out of every round."""
     from ..store import StoreGroup
     key = bytes.fromhex(opts.exchange_key)
-    run = "run-" + hashlib.sha256(key).hexdigest()[:12]
-    location = f"{opts.exchange.rstrip('/')}/{run}/{optimizer}"
+    location = f"{run_url(opts)}/{optimizer}"
     sites = participants(opts, world)
     fingerprint = json.dumps({"config": shared_config(cfg), "optimizer": optimizer, "lr": lr, "participants": sites},
                              sort_keys=True, default=str)
     return StoreGroup(location, participant(opts, rank), sites, key, fingerprint, opts.round_timeout)
+
+
+def run_url(opts: RunOptions) -> str:
+    """The run's folder: <URL>/run-<the first 12 hex of the key's SHA-256>, so a URL holds many runs."""
+    return f"{opts.exchange.rstrip('/')}/run-{hashlib.sha256(bytes.fromhex(opts.exchange_key)).hexdigest()[:12]}"
 
 
 def shared_config(cfg: TrainConfig) -> dict:

@@ -1,0 +1,125 @@
+"""`thinwire train --exchange URL --site NAME --peers a,b` (train/site_run.py): each site its own
+command, sharing nothing but the store. 2 sites x 2 workers of DeMo, as real processes started
+side by side over a file:// store (one site given the key in a file, the other in the
+environment): both sites end with the same parameters, to the last bit those of one 4-worker
+gloo run of the same config; and what a site command cannot run is refused before any worker
+starts, the store left empty. (The per-site path does not depend on the optimizer or the kind
+of store: SparseLoCo and s3:// through the store are test_exchange_harness.py's and
+tests/store's; a site pair each costs ~14 s of CPU.)"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+import threading
+from dataclasses import replace
+
+import pytest
+
+from tests.train.shared import compare_here, start, train_env, wait
+from thinwire.train.cli import main
+
+RUN = ("--preset", "tiny", "--workers", "2", "--steps", "4", "--eval-every", "4", "--eval-rows", "16",
+       "--sync-every", "2", "--no-adamw-probe", "--quiet")
+SITES = ("a", "b")
+
+
+def _final(out) -> dict:
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    return next(r for r in lines if r["kind"] == "final")
+
+
+def _site(tmp, site: str, optimizer: str, url: str, env: dict, *flags: str):
+    argv = ["train", "--optimizer", optimizer, *RUN, "--exchange", url, "--round-timeout", "120",
+            "--site", site, "--peers", ",".join(SITES), "--out", str(tmp / f"{optimizer}-{site}"), *flags]
+    return start([sys.executable, "-m", "thinwire", *argv], env=env)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The two site commands run side by side while the 4-worker gloo run runs in this process."""
+    tmp = tmp_path_factory.mktemp("sites")
+    key = secrets.token_hex(32)
+    key_file = tmp / "key"
+    key_file.write_text(key + "\n")
+    folder = (tmp / "store").as_uri()
+    procs = [_site(tmp, "a", "demo", folder, train_env(), "--exchange-key-file", str(key_file)),
+             _site(tmp, "b", "demo", folder, train_env(THINWIRE_EXCHANGE_KEY=key))]
+    gloo = compare_here(tmp / "gloo", *RUN[:2], "--workers", "4", *RUN[4:], "--optimizers", "demo")
+    done = [wait(p, timeout=300) for p in procs]
+    for p in done:
+        assert p.returncode == 0, p.stdout[-3000:]
+    return tmp, gloo
+
+
+def test_both_sites_end_with_the_parameters_of_one_gloo_run(runs):
+    tmp, gloo = runs
+    finals = [_final(tmp / f"demo-{s}" / "demo.jsonl") for s in SITES]
+    want = gloo["logs"]["demo"]["final"][0]["params_sha256"]
+    assert [f["params_sha256"] for f in finals] == [want, want]
+    assert all(f["replicas_identical"] for f in finals)
+    first = [json.loads(line) for line in (tmp / "demo-a" / "demo.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in first if r["kind"] == "step"] == [r["loss"] for r in gloo["logs"]["demo"]["step"]]
+
+
+def test_each_site_records_its_participants_rounds_and_traffic(runs):
+    tmp, _ = runs
+    for site in SITES:
+        store = _final(tmp / f"demo-{site}" / "demo.jsonl")["store"]
+        assert [p["participant"] for p in store["participants"]] == [f"{site}.000", f"{site}.001"]
+        assert store["missed_rounds"] == 0 and all(p["rounds"] == 5 for p in store["participants"])  # handshake + 4
+        assert store["traffic"]["puts"] >= 10 and store["traffic"]["bytes_read"] > 0
+        summary = json.loads((tmp / f"demo-{site}" / "summary.json").read_text())
+        assert summary["site"]["site"] == site and summary["runs"][0]["workers"] == 4
+
+
+@pytest.mark.parametrize("extra, env, message", [
+    ((), {}, "--site needs the run's signing key"),
+    (("--site", "c"), {"THINWIRE_EXCHANGE_KEY": "ab" * 32}, "--site c is not one of --peers a,b"),
+    (("--peers", "a,a"), {"THINWIRE_EXCHANGE_KEY": "ab" * 32}, "--peers must name every site of the run once"),
+    ((), {"THINWIRE_EXCHANGE_KEY": "not hex"}, "THINWIRE_EXCHANGE_KEY: the signing key must be hex"),
+    ((), {"THINWIRE_EXCHANGE_KEY": "abcd"}, "at least 16 bytes"),
+    (("--sites", "2", "--workers", "4"), {"THINWIRE_EXCHANGE_KEY": "ab" * 32}, "--exchange with --sites"),
+    (("--optimizer", "adamw"), {"THINWIRE_EXCHANGE_KEY": "ab" * 32}, "adamw is a torch.distributed baseline"),
+    (("--checkpoint-every", "2"), {"THINWIRE_EXCHANGE_KEY": "ab" * 32}, "--checkpoint-every with --site"),
+])
+def test_what_a_site_command_cannot_run_is_refused_before_any_worker_starts(extra, env, message, tmp_path,
+                                                                           capsys, monkeypatch):
+    monkeypatch.delenv("THINWIRE_EXCHANGE_KEY", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    store = tmp_path / "store"
+    store.mkdir()
+    argv = ["train", "--preset", "tiny", "--workers", "2", "--exchange", store.as_uri(), "--site", "a",
+            "--peers", "a,b", "--out", str(tmp_path / "out"), *extra]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not any(store.iterdir())                         # nothing was written to the store
+
+
+def test_sites_that_do_not_run_the_same_thing_are_refused_at_every_site_before_any_round(tmp_path):
+    """agree() at two sites at once (threads: it runs before any worker starts), one given
+    --steps 5: both refuse, naming the field and each value, and no round is written."""
+    from thinwire.train.config import RunOptions, get_preset
+    from thinwire.train.site_agree import agree
+    opts = RunOptions(exchange=(tmp_path / "store").as_uri(), exchange_key="cd" * 32, peers=SITES)
+    errors = {}
+
+    def site(name: str, steps: int) -> None:
+        try:
+            agree(get_preset("tiny", steps=steps), {"demo": 1e-3}, replace(opts, site=name), 2, timeout=60)
+        except ValueError as err:
+            errors[name] = str(err)
+    threads = [threading.Thread(target=site, args=args) for args in (("a", 4), ("b", 5))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert "steps (here 4, b: 5)" in errors["a"] and "steps (here 5, a: 4)" in errors["b"]
+    assert not list((tmp_path / "store").rglob("rounds"))
+    with pytest.raises(ValueError, match="site\\(s\\) c did not join"):
+        agree(get_preset("tiny"), {"demo": 1e-3}, replace(opts, site="a", peers=("a", "c"), exchange_key="ef" * 32), 2,
+              timeout=0.3)
