@@ -10,10 +10,10 @@ for DeMo and SparseLoCo (`clip='median-norm'`). Per tensor t and delivered sende
 
 so no sender's contribution to a tensor is longer than the median sender's, and one message
 1000x too long moves the aggregate by at most m_t / W (W delivered senders) in its direction.
-Templar (tplr-ai/templar, its `batch_decompress`) computes the same per parameter tensor and
-per peer: the L2 norm of the peer's sparse values, `torch.median` of those norms (the lower
-median), and scales by min(1, median / (norm + 1e-8)); here the comparison is exact instead of
-the 1e-8 (a contribution at or below the median is multiplied by nothing: bit for bit as sent).
+Templar's gather computes the same per parameter tensor and per peer: the L2 norm of the
+peer's sparse values, `torch.median` of those norms (the lower median), and a scale of
+min(1, median / (norm + 1e-8)), not a drop; here the comparison is exact instead of the 1e-8,
+so a contribution at or below the median is left exactly as sent.
 
 The norms come from the sparse values alone, with no decode: DeMo's transforms ('dct', the
 chunked orthonormal DCT-II; 'identity'; 'random', an orthogonal Haar basis) are orthonormal
@@ -22,7 +22,8 @@ and the top-k indices of a chunk are distinct, so ‖T⁻¹(Q̂)‖ over the (pa
 'identity'). A padded tensor's norm includes what lands in its padding (cropped later), as
 Templar's norm of the sent values does. Everything runs on the device, one segmented sum
 for all of a group's tensors (deterministic: `segment_sums`) and no host read; every rank
-clips the same rows alike, so replicas stay bit-identical.
+clips the same rows alike, so replicas stay bit-identical. Under FSDP2 inside a site a
+tensor is this rank's shard (each shard's message is exchanged, and clipped, on its own).
 """
 
 from __future__ import annotations
