@@ -100,7 +100,7 @@ def test_what_a_site_command_cannot_run_is_refused_before_any_worker_starts(extr
     assert not any(store.iterdir())                         # nothing was written to the store
 
 
-def test_sites_that_do_not_run_the_same_thing_are_refused_at_every_site_before_any_round(tmp_path):
+def test_sites_that_do_not_run_the_same_thing_are_refused_at_every_site_before_any_round(tmp_path, capsys):
     """agree() at two sites at once (threads: it runs before any worker starts), one given
     --steps 5: both refuse, naming the field and each value, and no round is written."""
     from thinwire.train.config import RunOptions, get_preset
@@ -120,6 +120,6 @@ def test_sites_that_do_not_run_the_same_thing_are_refused_at_every_site_before_a
         t.join()
     assert "steps (here 4, b: 5)" in errors["a"] and "steps (here 5, a: 4)" in errors["b"]
     assert not list((tmp_path / "store").rglob("rounds"))
-    with pytest.raises(ValueError, match="site\\(s\\) c did not join"):
-        agree(get_preset("tiny"), {"demo": 1e-3}, replace(opts, site="a", peers=("a", "c"), exchange_key="ef" * 32), 2,
-              timeout=0.3)
+    agree(get_preset("tiny"), {"demo": 1e-3}, replace(opts, site="a", peers=("a", "c"), exchange_key="ef" * 32), 2,
+          timeout=0.3)                                     # c never comes: a warning, and a goes on without it
+    assert "site(s) c did not agree" in capsys.readouterr().err

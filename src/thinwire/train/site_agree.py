@@ -3,16 +3,17 @@ the same thing (`agree`).
 
 Each site writes what every site must share, once, to <URL>/<run>/agreed/<site> (its
 config as every site sees it, its optimizers and their learning rates, its --workers and
---peers), then waits for every peer's record and compares. A difference is a ValueError at
-every site naming the fields and each site's value, before any round is written: the rounds
-would otherwise reject the other sites' messages (another fingerprint) and each site could
-train on alone. A site that finds its own name already holding another record (a run
+--peers), then waits for every peer's record (up to the handshake's 600 s) and compares. A
+difference is a ValueError at every site naming the fields and each site's value, before any
+round is written: the rounds would otherwise reject the other sites' messages (another
+fingerprint) and each site could train on alone. A site that finds its own name already holding another record (a run
 restarted with the same key) is refused too: the run's rounds belong to the first.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 from .config import RunOptions, TrainConfig
@@ -30,7 +31,8 @@ def site_record(cfg: TrainConfig, lrs: dict[str, float], opts: RunOptions, worke
 def agree(cfg: TrainConfig, lrs: dict[str, float], opts: RunOptions, workers: int,
                timeout: float = JOIN_TIMEOUT_S) -> None:
     """Write this site's record under the run's folder and wait for every peer's; ValueError
-    when one differs, or when a peer has not joined within `timeout` seconds."""
+    when one differs. Peers that have not written theirs within `timeout` seconds are named in
+    a warning and left out, as the store's handshake leaves them out (they may join later)."""
     from ..store import open_location
     from .store_runs import run_url
     location = open_location(f"{run_url(opts)}/agreed")
@@ -43,11 +45,13 @@ def agree(cfg: TrainConfig, lrs: dict[str, float], opts: RunOptions, workers: in
         missing = sorted(set(opts.peers) - set(location.list()))
         if not missing:
             break
-        if time.monotonic() > deadline:
-            raise ValueError(f"site(s) {', '.join(missing)} did not join {run_url(opts)} within {timeout:g} s")
+        if time.monotonic() > deadline:            # as the store's handshake does: go on, they may join later
+            print(f"thinwire: warning: site(s) {', '.join(missing)} did not agree to {run_url(opts)} within "
+                  f"{timeout:g} s; starting without them", file=sys.stderr, flush=True)
+            break
         time.sleep(wait)
         wait = min(2 * wait, POLL_S[1])
-    theirs = {site: json.loads(location.get(site)) for site in opts.peers if site != opts.site}
+    theirs = {site: json.loads(location.get(site)) for site in opts.peers if site not in (opts.site, *missing)}
     differ = _differences(json.loads(mine), theirs)
     if differ:
         raise ValueError(f"the sites do not run the same thing ({opts.site} against the others): {differ}; "
