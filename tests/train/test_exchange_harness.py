@@ -31,6 +31,16 @@ def test_the_store_run_is_the_gloo_run_to_the_last_bit(both):
         assert evals[0] == evals[1], name
         sent = [[r["payload_bytes"] for r in run["logs"][name]["step"]] for run in (gloo, through)]
         assert sent[0] == sent[1] and sum(sent[1]) > 0, name
+        finals = [run["logs"][name]["final"][0] for run in (gloo, through)]
+        assert finals[0]["params_sha256"] == finals[1]["params_sha256"], name
+
+
+def test_the_final_record_has_every_workers_rounds_and_traffic(both):
+    _, through, _ = both
+    store = through["logs"]["demo"]["final"][0]["store"]
+    assert [p["participant"] for p in store["participants"]] == ["worker-0000", "worker-0001"]
+    assert store["missed_rounds"] == 0 and all(p["rounds"] == 7 for p in store["participants"])  # handshake + 6
+    assert store["traffic"]["requests"] == sum(p["traffic"]["requests"] for p in store["participants"]) > 0
 
 
 def test_each_optimizer_wrote_its_rounds_under_the_url(both):
