@@ -123,3 +123,11 @@ def test_sites_that_do_not_run_the_same_thing_are_refused_at_every_site_before_a
     agree(get_preset("tiny"), {"demo": 1e-3}, replace(opts, site="a", peers=("a", "c"), exchange_key="ef" * 32), 2,
           timeout=0.3)                                     # c never comes: a warning, and a goes on without it
     assert "site(s) c did not agree" in capsys.readouterr().err
+
+
+def test_a_site_under_torchrun_is_refused(monkeypatch, tmp_path):
+    from thinwire.train.cli import torchrun_main
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit, match="not torchrun"):
+        torchrun_main(["--preset", "tiny", "--site", "a", "--peers", "a,b"])
