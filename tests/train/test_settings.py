@@ -4,10 +4,12 @@ and the flat record a checkpoint keeps read back into the same settings."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields
 
 import pytest
 
+from thinwire.train.checkpoint import CheckpointError, check, expected_meta
 from thinwire.train.cli import build_parser, config_from_args
 from thinwire.train.config import RENAMED, get_preset
 from thinwire.train.model import build_model
@@ -70,3 +72,41 @@ def test_the_record_reads_back_into_the_same_settings():
 def test_an_unknown_setting_is_named():
     with pytest.raises(ValueError, match="unknown config fields: \\['demo_topkk'\\]"):
         get_preset("tiny", demo_topkk=3)
+
+
+# ---- the median-norm clip (thinwire.optim.median_clip) through the harness ----
+
+CLIPPED = ("demo", "demo-overlap", "demo-lookahead", "sparseloco", "sparseloco-delayed")
+
+
+def test_the_clip_flags_reach_demo_and_sparseloco():
+    cfg = _cfg("--demo-clip", "median-norm", "--sparseloco-clip", "median-norm")
+    assert (cfg.record()["demo_clip"], cfg.record()["sparseloco_clip"]) == ("median-norm", "median-norm")
+    default = _cfg()
+    for name in CLIPPED:
+        assert get_optimizer(name).build(build_model(cfg), cfg, 1e-3).optimizer.clip == "median-norm", name
+        assert get_optimizer(name).build(build_model(default), default, 1e-3).optimizer.clip is None, name
+
+
+@pytest.mark.parametrize("flat, message", [
+    ({"demo_clip": "median"}, r"demo: clip must be one of none, median-norm, got 'median' \(--demo-clip\)"),
+    ({"sparseloco_clip": "None"}, r"sparseloco: clip must be one of none, median-norm, got 'None' \(--sparseloco-clip\)"),
+    ({"sparseloco_clip": "median-norm", "sparseloco_values": "fp32"},     # SparseLoCo's own refusal, flag named
+     r"sparseloco: clip='median-norm' runs on the grouped path.*\(--sparseloco-clip\)"),
+])
+def test_a_bad_clip_is_refused_naming_the_flag(flat, message):
+    with pytest.raises(ValueError, match=message):
+        get_preset("tiny", **flat)
+
+
+def test_a_checkpoint_from_before_the_clip_resumes_and_a_clipped_run_does_not(tmp_path):
+    """A checkpoint's config written before the clip settings existed ran without a clip (the
+    default 'none'): a run without one resumes it, a clipped run is refused naming the key."""
+    cfg = get_preset("tiny")
+    meta = {"step": 4, **expected_meta(cfg, "demo", 3e-3, 2)}
+    for key in ("demo_clip", "sparseloco_clip"):
+        del meta["config"][key]
+    (tmp_path / "thinwire.json").write_text(json.dumps(meta))
+    assert check(tmp_path, expected_meta(cfg, "demo", 3e-3, 2))["step"] == 4
+    with pytest.raises(CheckpointError, match=r"demo_clip: checkpoint 'none', this run 'median-norm'"):
+        check(tmp_path, expected_meta(cfg.with_settings(demo_clip="median-norm"), "demo", 3e-3, 2))

@@ -52,7 +52,7 @@ from ..optim import APMSqueeze, DeMo, DenseAllReduce, DiLoCo, EF21Muon, LoRDO, S
 from ..optim.apmsqueeze import MIN_WARMUP_STEPS
 from .model import hidden_matrices
 from .settings import (APMSqueezeSettings, DeMoSettings, DiLoCoSettings, EF21MuonSettings, LoRDOSettings,
-                       PowerSGDSettings, Settings, SignDeMoSettings, SparseLoCoSettings)
+                       PowerSGDSettings, Settings, SignDeMoSettings, SparseLoCoSettings, library_clip)
 
 
 @dataclass
@@ -184,7 +184,7 @@ def _demo(model, cfg, lr, group=None, lookahead: str = "none"):
     s = cfg.settings(DeMoSettings)
     return _wrap(DeMo(model.parameters(), lr=lr, topk=s.topk, chunk=s.chunk, alpha=s.alpha, beta=s.beta,
                       values=s.values, momentum_form=s.momentum_form, weight_decay=0.0, process_group=group,
-                      overlap=_ov(cfg) or lookahead != "none", lookahead=lookahead), model)
+                      overlap=_ov(cfg) or lookahead != "none", lookahead=lookahead, clip=library_clip(s)), model)
 
 
 def _sign_demo(model, cfg, lr, group=None):
@@ -264,7 +264,7 @@ def _sparseloco(model, cfg, lr, group=None, delayed: bool = False):
     """SparseLoCo with the run's compression (by default the paper's: top-128 of 64 x 64 chunks,
     2-bit values; --sparseloco-topk/-chunk/-values/-indices), its β and α (by default the paper's 0.95 and 1;
     --sparseloco-error-decay, --sparseloco-outer-lr), its eager jump's c when delayed
-    (--sparseloco-eager-scale), and the run's H, so it compares
+    (--sparseloco-eager-scale), its median-norm clip if asked (--sparseloco-clip), and the run's H, so it compares
     with DiLoCo at the same sync interval. The tiny preset's matrices are [256|192|64|32, 64] and
     [64, 256]: 64 x 64 chunks (wpe's 32 x 64 keeps 64, a norm's 64 keeps 2), the same 3.1 %
     everywhere."""
@@ -272,7 +272,7 @@ def _sparseloco(model, cfg, lr, group=None, delayed: bool = False):
     return _wrap(SparseLoCo(model.parameters(), inner=inner, sync_every=cfg.sync_every, process_group=group,
                             topk=s.topk, chunk=s.chunk, values=s.values, indices=s.indices,
                             error_decay=s.error_decay, outer_lr=s.outer_lr, eager_scale=s.eager_scale,
-                            **_delay(cfg, delayed)), model)
+                            clip=library_clip(s), **_delay(cfg, delayed)), model)
 
 
 def _powersgd(model, cfg, lr, group=None):

@@ -89,11 +89,14 @@ class DeMoSettings(Settings):
     """ema (the paper's M <- bM + (1-b)g) or reference (bloc97's M <- bM + lr*g)."""
     values: str = "bf16"
     """Wire precision of the kept coefficients: fp32, bf16, int8 or sign."""
+    clip: str = "none"
+    """none, or median-norm: each sender's message per tensor scaled to at most the senders' median norm."""
 
     def check(self) -> None:
         from ..optim import DeMo
+        clip = library_clip(self)
         self._built(lambda ps: DeMo(ps, topk=self.topk, chunk=self.chunk, alpha=self.alpha, beta=self.beta,
-                                    momentum_form=self.momentum_form, values=self.values))
+                                    momentum_form=self.momentum_form, values=self.values, clip=clip))
 
 
 @dataclass(frozen=True)
@@ -201,12 +204,30 @@ class SparseLoCoSettings(Settings):
     """Outer learning rate alpha of theta0 <- theta0 - alpha mean(sent), > 0 (the paper's 1)."""
     eager_scale: float = 1.0
     """sparseloco-delayed: c of the eager jump theta <- theta0 - c alpha (own message), finite, >= 0."""
+    clip: str = "none"
+    """none, or median-norm: each sender's message per tensor scaled to at most the senders' median norm."""
 
     def check(self) -> None:
         from ..optim import SparseLoCo
+        clip = library_clip(self)
         self._built(lambda ps: SparseLoCo(ps, topk=self.topk, chunk=self.chunk, values=self.values,
                                           indices=self.indices, error_decay=self.error_decay,
-                                          outer_lr=self.outer_lr, eager_scale=self.eager_scale))
+                                          outer_lr=self.outer_lr, eager_scale=self.eager_scale, clip=clip))
+
+
+# A settings `clip` as the flag takes it -> the library's `clip=` (thinwire.optim.median_clip).
+# Off is the word 'none', not None: the CLI's flags are int, float or str, and an override of
+# None means "not given" (config.get_preset), so None could not switch a preset's clip off.
+CLIPS = {"none": None, "median-norm": "median-norm"}
+
+
+def library_clip(settings: DeMoSettings | SparseLoCoSettings) -> str | None:
+    """`settings.clip` as DeMo's and SparseLoCo's `clip=` argument: 'none' -> None (no clip),
+    'median-norm' as it is; ValueError naming the flag for anything else."""
+    if not isinstance(settings.clip, str) or settings.clip not in CLIPS:
+        raise ValueError(f"{settings.PREFIX}: clip must be one of {', '.join(CLIPS)}, got {settings.clip!r} "
+                         f"(--{settings.PREFIX}-clip)")
+    return CLIPS[settings.clip]
 
 
 def flat_fields() -> dict[str, tuple[type[Settings], str]]:
