@@ -108,6 +108,24 @@ def test_a_straggler_reads_the_rounds_it_missed(late_run):
     assert catch_up.read_round(3) is None
 
 
+def test_a_site_that_finds_the_round_closed_reads_only_the_others(new_location):
+    """site-c wrote its message, then site-a closed the round with it before site-c's first
+    listing: site-c adopts the manifest and reads the others' messages, never its own (it
+    holds the bytes it wrote and checks them against the manifest's SHA-256)."""
+    from thinwire.store import RoundExchange
+    url, options = new_location()
+    sites = ["site-a", "site-b", "site-c"]
+    a, b, c = (RoundExchange(open_location(url, **options), s, sites, KEY, CONFIG, TIMEOUT) for s in sites)
+    assert b.publish(0, payload_for("site-b", 0)) and c.publish(0, payload_for("site-c", 0))
+    closed = a.exchange(0, payload_for("site-a", 0))        # every message is in: a closes at once
+    assert closed.closed_here and closed.late == ()
+    late = c.exchange(0, payload_for("site-c", 0))          # its first listing shows the manifest
+    assert agreement(late) == agreement(closed) and late.included and not late.closed_here
+    manifest = open_location(url, **options).get(manifest_key(0))
+    assert (late.traffic.puts, late.traffic.gets, late.traffic.lists) == (0, 3, 1)   # manifest, a's, b's
+    assert late.traffic.bytes_read == len(manifest) + len(envelope("site-a", 0)) + len(envelope("site-b", 0))
+
+
 # ---- objects that do not belong: forged, replayed, garbled, misplaced, a stranger's ----
 
 def plant_intruders(url: str, options: dict) -> None:

@@ -118,8 +118,11 @@ class RoundExchange:
 
     def publish(self, round: int, payload: bytes) -> bool:
         """Write this site's signed message for `round` once. False when its key already
-        holds another object (then this site's message cannot enter the round)."""
+        holds another object (then this site's message cannot enter the round). Publishing
+        what this site already wrote for `round` takes no request (the key is write-once)."""
         blob = self._seal(round, payload)
+        if self._published == (round, blob):
+            return True
         key = message_key(round, self.site)
         if self.location.put_once(key, blob) or self.location.get(key) == blob:   # or a retry of this round
             self._published = (round, blob)
@@ -208,10 +211,12 @@ class RoundExchange:
 
     def _settle(self, round: int, manifest: Manifest, verified: dict[str, tuple[str, bytes]]) -> dict[str, bytes]:
         """The manifest's payloads: those this site verified with the same bytes, the rest
-        read and verified now (they arrived after this site's listing)."""
+        read and verified now (they arrived after this site's listing, or the manifest was
+        there first). This site's own is never read back: the bytes it wrote are held, and
+        checked against the manifest's SHA-256 like any other."""
         payloads = {s: p for s, (d, p) in verified.items() if manifest.accepted.get(s) == d}
         missing = [s for s in manifest.accepted if s not in payloads]
-        for site, blob in zip(missing, self._read_all([message_key(round, s) for s in missing])):
+        for site, blob in zip(missing, self._read_all_but_own(round, missing)):
             if blob is None or digest(blob) != manifest.accepted[site]:
                 raise ExchangeError(f"round {round}: the manifest names {site}'s message with SHA-256 "
                                     f"{manifest.accepted[site][:12]}, the store holds another or none")
