@@ -35,6 +35,16 @@ def test_the_store_run_is_the_gloo_run_to_the_last_bit(both):
         assert finals[0]["params_sha256"] == finals[1]["params_sha256"], name
 
 
+def test_a_store_round_is_timed_as_blocked_in_collectives(both):
+    """comm_s (train/timing.py) counts the store's rounds as it counts gloo's all_gathers: every
+    step that exchanged (payload bytes > 0; SparseLoCo every --sync-every 2) has comm_s > 0."""
+    gloo, through, _ = both
+    for name in ("demo", "sign-demo", "sparseloco"):
+        for run in (gloo, through):
+            exchanged = [r for r in run["logs"][name]["step"] if r["payload_bytes"] > 0]
+            assert len(exchanged) >= 3 and all(0 < r["comm_s"] <= r["step_s"] for r in exchanged), name
+
+
 def test_the_final_record_has_every_workers_rounds_and_traffic(both):
     _, through, _ = both
     store = through["logs"]["demo"]["final"][0]["store"]

@@ -112,6 +112,13 @@ class Communicator:
         previous, _blocked_observer = _blocked_observer, fn
         return previous
 
+    @staticmethod
+    def blocked_observer():
+        """The observer `set_blocked_observer` set (None: unset): what an exchange that is not
+        torch.distributed (the store's rounds, `thinwire.store.communicator`) reports its
+        blocked time to, by the same rules, so a training loop times it alike."""
+        return _blocked_observer
+
     @property
     def distributed(self) -> bool:
         return self.group is not None and self.world_size > 1

@@ -31,6 +31,7 @@ that missed round 0 compares with the messages round 0 agreed.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -117,17 +118,23 @@ def communicator_for(optimizer, process_group):
 
 class RoundPending:
     """One round in flight; `wait()` returns the [world, nbytes] rows, and sets `absent`: the
-    ranks whose message the manifest does not hold (their rows are left as they were)."""
+    ranks whose message the manifest does not hold (their rows are left as they were).
+    `observer` (the blocked-time observer when the round was issued, or None) is called with
+    ('all_gather', seconds) once the first `wait()` returns, as `comm.Pending`'s is."""
 
     absent: tuple[int, ...] = ()
 
-    def __init__(self, comm: StoreCommunicator, future, out: torch.Tensor, tag: str, nbytes: int):
+    def __init__(self, comm: StoreCommunicator, future, out: torch.Tensor, tag: str, nbytes: int, observer=None):
         self._comm, self._future, self._out, self._tag, self._nbytes = comm, future, out, tag, nbytes
+        self._observer = observer
 
     def wait(self) -> torch.Tensor:
         if self._future is not None:
+            start = time.perf_counter()
             result, self._future = self._future.result(), None
             self.absent = self._comm._land(result, self._out, self._tag, self._nbytes)
+            if self._observer is not None:
+                self._observer("all_gather", time.perf_counter() - start)
         return self._out
 
 
@@ -158,7 +165,10 @@ class StoreCommunicator:
 
     def all_gather(self, buf: torch.Tensor, *, tag: str = "payload", out: torch.Tensor | None = None,
                    async_op: bool = False):
-        """Every site's `buf` (uint8, 1-D) in rank order, [world_size, numel], through one round."""
+        """Every site's `buf` (uint8, 1-D) in rank order, [world_size, numel], through one round.
+        Its blocked time goes to `Communicator.blocked_observer()` by `set_blocked_observer`'s
+        rules (issue to completion; async: the issue, then the first wait), so a training loop
+        counts a store round as it counts a torch.distributed all_gather."""
         if buf.dtype != torch.uint8 or buf.dim() != 1:
             raise ValueError(f"the store exchange carries 1-D uint8 messages, got {buf.dtype} {tuple(buf.shape)}")
         shape = (self.world_size, buf.numel())
@@ -166,18 +176,23 @@ class StoreCommunicator:
             out = torch.empty(shape, dtype=torch.uint8, device=buf.device)
         elif tuple(out.shape) != shape or out.dtype != buf.dtype:
             raise ValueError(f"out must have shape {shape} and dtype {buf.dtype}")
+        observer, start = Communicator.blocked_observer(), time.perf_counter()
         payload = buf.detach().cpu().numpy().tobytes()      # the message as it is now: the caller may reuse buf
         round_, self.store.next_round = self.store.next_round, self.store.next_round + 1
         timeout = self.store.join_timeout if tag == HANDSHAKE_TAG else None
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="thinwire-store")
         future = self._worker.submit(self.store.rounds.exchange, round_, payload, timeout)
-        pending = RoundPending(self, future, out, tag, buf.nbytes)
+        pending = RoundPending(self, future, out, tag, buf.nbytes, observer if async_op else None)
         if async_op:
+            if observer is not None:
+                observer("all_gather", time.perf_counter() - start)
             return pending
         pending.wait()
         if tag == HANDSHAKE_TAG:            # absent sites join later and compare then: rows as this site's
             out[list(pending.absent)] = buf.to(out.device)
+        if observer is not None:
+            observer("all_gather", time.perf_counter() - start)
         return out
 
     def recorded_description(self, mine: torch.Tensor) -> torch.Tensor | None:
