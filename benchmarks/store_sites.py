@@ -61,6 +61,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--slow", default="0.25:3", help="slow: P:FACTOR for site b")
     p.add_argument("--kill", default="b:30", help="churn: SITE:STEP killed for good")
     p.add_argument("--join", default="c:20", help="churn: SITE:STEP (of the others) it starts at")
+    p.add_argument("--snapshot-every", type=int, default=5, help="churn: rounds between snapshots")
+    p.add_argument("--join-timeout", type=float, default=20.0, help="churn: how long the first round waits for every site")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="keep the runs' logs here (default: a temporary folder)")
     return p.parse_args()
@@ -244,8 +246,65 @@ def slow(args, root: Path) -> None:
                     f"{args.slow.split(':')[0]} before each step", rows)
 
 
+def log_step(out: Path, optimizer: str) -> int:
+    """The newest step in a site's log (0 before the first)."""
+    path = out / f"{optimizer}.jsonl"
+    if not path.exists():
+        return 0
+    found = [json.loads(line).get("step", 0) for line in path.read_text().splitlines()
+             if line.strip() and '"kind": "step"' in line]
+    return max(found, default=0)
+
+
+def churn_run(args, optimizer, names, kind, out, kill, join) -> tuple[dict, float]:
+    """Sites `names`, all from the start unless `join` = (site, at step of names[0]) starts later;
+    `kill` = (site, at its own step) is killed for good there (SIGKILL to its process group)."""
+    store, key, t0 = Store(kind, out), secrets.token_hex(32), time.time()
+    snap = ["--snapshot-every", str(args.snapshot_every), "--join-timeout", str(args.join_timeout)]
+    try:
+        with IsolatedSites(len(names), rate_bps(args.rate)) as net:
+            procs = {n: start_site(args, optimizer, net, store, i, n, names, key, out, extra=snap)
+                     for i, n in enumerate(names) if not join or n != join[0]}
+            pending_join, killed = join, None
+            while any(p.poll() is None for p in procs.values()) or pending_join:
+                if pending_join and log_step(out / names[0], optimizer) >= pending_join[1]:
+                    i = names.index(pending_join[0])
+                    procs[pending_join[0]] = start_site(args, optimizer, net, store, i, pending_join[0], names, key,
+                                                        out, extra=["--join"])
+                    pending_join = None
+                if kill and killed is None and log_step(out / kill[0], optimizer) >= kill[1]:
+                    os.killpg(procs[kill[0]].pid, signal.SIGKILL)
+                    killed = kill[0]
+                time.sleep(0.1)
+            codes = {n: p.returncode for n, p in procs.items() if n != killed}
+            if any(codes.values()):
+                raise SystemExit(f"a site failed: {codes} (logs under {out})")
+    finally:
+        store.close()
+    return {n: final(out / n / f"{optimizer}.jsonl") for n in names if n != (kill or (None,))[0]}, time.time() - t0
+
+
 def churn(args, root: Path) -> None:
-    raise SystemExit("churn: not yet")
+    """Three sites: uninterrupted, then one killed for good and one joining later."""
+    names, kind = ["a", "b", "c"], args.stores.split(",")[0]
+    kill = (args.kill.split(":")[0], int(args.kill.split(":")[1]))
+    join = (args.join.split(":")[0], int(args.join.split(":")[1]))
+    for optimizer in args.optimizers.split(","):
+        rows, base = [], None
+        for label, k, j in (("uninterrupted", None, None), (f"{kill[0]} killed at step {kill[1]}, {join[0]} joins "
+                                                           f"at a's step {join[1]}", kill, join)):
+            out = root / f"churn-{optimizer}-{len(rows)}"
+            finals, wall = churn_run(args, optimizer, names, kind, out, k, j)
+            for n, rec in finals.items():
+                base = rec["val_loss"] if base is None else base
+                store = rec["store"]
+                rows.append({"run": f"{label}, site {n}", "val_loss": rec["val_loss"],
+                             "vs uninterrupted %": f"{100 * (rec['val_loss'] / base - 1):+.2f}",
+                             "params_sha256": rec["params_sha256"][:12],
+                             "rounds": store["participants"][0]["rounds"], "missed": store["missed_rounds"],
+                             "waited s": round(store["participants"][0]["waited_s"], 1), "wall s": round(wall, 1)})
+        print_table(f"{optimizer} on {args.preset} through {kind}://, {args.workers} worker(s) per site, round "
+                    f"timeout {args.round_timeout} s, snapshots every {args.snapshot_every} rounds", rows)
 
 
 if __name__ == "__main__":

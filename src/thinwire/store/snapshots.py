@@ -85,16 +85,18 @@ def _replicated_only(per_param: dict, kinds: dict) -> dict:
     return out
 
 
-def publish_snapshot(group, model: torch.nn.Module, optimizer, every: int) -> int | None:
+def publish_snapshot(group, model: torch.nn.Module, optimizer, every: int, extra: dict | None = None) -> int | None:
     """Write a snapshot of the newest round `group` took part in, when it is a multiple of
     `every` and not yet written by this site; the round written (or already there), else None.
-    Call it between steps, with no exchange in flight (after step(), or flush() with overlap)."""
+    Call it between steps, with no exchange in flight (after step(), or flush() with overlap).
+    `extra`: what else a joiner needs, saved beside the state as its 'extra' (the harness: its
+    step and learning-rate schedule; tensors, numbers, strings, lists and dicts of them)."""
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be an int >= 1 (rounds between snapshots), got {every!r}")
     round = group.next_round - 1
     if round < 1 or round % every or group.snapshot_round == round:
         return None
-    state = {"round": round, "model": model.state_dict(), "optimizer": joiner_state(optimizer)}
+    state = {"round": round, "model": model.state_dict(), "optimizer": joiner_state(optimizer), "extra": extra or {}}
     buffer = io.BytesIO()
     torch.save(state, buffer)
     rounds = group.rounds

@@ -84,6 +84,12 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                    "same list at every site (each runs the same --workers)")
     p.add_argument("--exchange-key-file", metavar="PATH", help="with --exchange: a file holding the run's hex "
                    "signing key (or set THINWIRE_EXCHANGE_KEY); --site needs one, the same at every site")
+    p.add_argument("--snapshot-every", type=int, default=0, metavar="ROUNDS", help="with --exchange: every ROUNDS "
+                   "rounds a site writes a snapshot to the store that a later site starts from (default 0: none)")
+    p.add_argument("--join-timeout", type=float, default=600.0, metavar="SECONDS", help="with --exchange: how long "
+                   "the first round waits for every site before starting without the missing ones (default 600)")
+    p.add_argument("--join", action="store_true", help="with --site: join a run already going, from the store's "
+                   "latest snapshot (the live sites give --snapshot-every)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--overlap", action="store_true", default=None, help=FIELD_HELP["overlap"])
     for name in _OVERRIDES:
@@ -136,7 +142,9 @@ def options_from_args(args):
                       peer_timeout=args.peer_timeout if train else None, dense_steps=args.dense_steps,
                       adamw_probe=not args.no_adamw_probe, exchange=args.exchange,
                       round_timeout=args.round_timeout, site=args.site, exchange_key_file=args.exchange_key_file,
-                      peers=tuple(p.strip() for p in (args.peers or "").split(",") if p.strip()))
+                      peers=tuple(p.strip() for p in (args.peers or "").split(",") if p.strip()),
+                      snapshot_every=args.snapshot_every, join=args.join,
+                      join_timeout=args.join_timeout)
 
 
 def _train_or_compare(args) -> None:

@@ -153,6 +153,19 @@ class RunOptions:
     peers: tuple[str, ...] = ()
     """With `site`: every site of the run, this one included, the same list at every site."""
 
+    snapshot_every: int = 0
+    """With `exchange`: every this many rounds a site writes a snapshot to the store (its model,
+    the optimizer's replicated state, its step and schedule), which a later site starts from
+    (`join`); 0: none."""
+
+    join_timeout: float = 600.0
+    """With `exchange`: seconds the run's first round (and `site`'s settings check) waits for
+    every site; then it starts without the missing ones, who may come later with `join`."""
+
+    join: bool = False
+    """With `site`: this site joins a run already going, from the store's latest snapshot (a
+    site declared in `peers` that was not there at the start, or one that restarts)."""
+
     @property
     def writes_checkpoints(self) -> bool:
         """Whether the run checkpoints and resumes: `checkpoint` with an `out_dir`."""

@@ -26,6 +26,7 @@ from .launch import launch
 from .optimizers import OPTIMIZERS, get_optimizer, learning_rate
 from .report import DENSE_ADAMW, add_limits, format_table, plot, read_log, summarize
 from .site_agree import agree
+from .site_join import check_join
 from .site_run import check_site, local_ifname, run_world, site_options, site_summary
 from .store_runs import check_exchange, with_key
 from .worker import process_started, train_worker
@@ -106,6 +107,7 @@ def compare(cfg: TrainConfig, optimizers: list[str], options: RunOptions | None 
     cfg, opts = prepare(cfg, opts)
     check_run(cfg, optimizers, run_world(opts, workers), opts.data)
     check_exchange(cfg, optimizers, opts)
+    check_join(opts, optimizers)
     if opts.checkpoint_every and not opts.checkpoint:
         raise ValueError("--checkpoint-every belongs to `thinwire train` (one optimizer per run)")
     if opts.peer_timeout is not None and opts.peer_timeout <= 0:
@@ -116,7 +118,8 @@ def compare(cfg: TrainConfig, optimizers: list[str], options: RunOptions | None 
     elif opts.checkpoint_every:
         raise ValueError("--checkpoint-every needs --out (checkpoints go to <out>/checkpoint/)")
     if opts.site:                              # the sites agree through the store that they run the same thing
-        agree(cfg, {name: learning_rate(cfg, name, opts.lrs) for name in optimizers}, opts, workers)
+        lrs = {name: learning_rate(cfg, name, opts.lrs) for name in optimizers}
+        agree(cfg, lrs, opts, workers, timeout=opts.join_timeout)
     out = Path(opts.out_dir) if opts.out_dir else Path(tempfile.mkdtemp(prefix="thinwire-"))
     out.mkdir(parents=True, exist_ok=True)
     context, link_info = _link_context(opts.link, workers, cfg.sites)

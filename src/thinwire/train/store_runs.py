@@ -80,7 +80,8 @@ def store_group(opts: RunOptions, cfg: TrainConfig, optimizer: str, lr: float, r
     sites = participants(opts, world)
     fingerprint = json.dumps({"config": shared_config(cfg), "optimizer": optimizer, "lr": lr, "participants": sites},
                              sort_keys=True, default=str)
-    return StoreGroup(location, participant(opts, rank), sites, key, fingerprint, opts.round_timeout)
+    return StoreGroup(location, participant(opts, rank), sites, key, fingerprint, opts.round_timeout,
+                      join_timeout=opts.join_timeout)
 
 
 def run_url(opts: RunOptions) -> str:

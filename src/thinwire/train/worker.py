@@ -42,6 +42,7 @@ from .model import build_model
 from .optimizers import get_optimizer, torch_adamw
 from .probe import AdamWProbe, calibrate
 from .progress import Progress
+from .site_join import join, publish
 from .site_run import gather_store, global_rank, store_record
 from .sites import Tiers, optimizer_state_bytes, setup, site_sums
 from .store_runs import store_group
@@ -123,6 +124,8 @@ def _timed_step(built, sched, x, y, fsdp=None, last: bool = False, skip: bool = 
             **(_record(fsdp.intra, "intra_") if fsdp is not None else {})}
 
 
+JOIN_WAIT_S = 600.0                 # --join: how long a site waits for the live sites' first snapshot
+
 # a probe's record in the final log -> the field that takes its smaller timing
 PROBE_FIELDS = {"calibration": "compute_only_step_s", "adamw_probe": "adamw_step_s"}
 
@@ -191,7 +194,11 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
     if resume is not None:
         done, inter_steps, resumed = resume_from(resume, meta, model, built, sched, rank, world, optimizer)
         step = done
+    joined = join(options, group, model, built.optimizer, sched, JOIN_WAIT_S) if options.join else None
+    if joined is not None:
+        done = step = joined["step"]
     log = _open_log(log_path, done) if rank == 0 else None
+    _write(log, joined)
     bar = Progress(optimizer, cfg.steps, enabled=(rank == 0 and not options.quiet))
     try:
         if not done:
@@ -226,6 +233,7 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
             if checkpoint_dir and ((checkpoint_every and step % checkpoint_every == 0) or step == cfg.steps):
                 save(checkpoint_dir, step, model, built, sched, meta, rank, extra={"inter_steps": inter_steps},
                      before_write=die_in_save(rank, step))
+            publish(options, group, model, built.optimizer, sched, step, rank)
             pace()
         after = _probes(built, adamw, batches)
         probes = {name: calibrate(before[name], after[name]) for name in before}
@@ -278,8 +286,8 @@ def _gather_tiers(tiers: Tiers, world: int, state_bytes: int, inter_steps: list)
             "site": site_sums([steps for _, steps in everyone], tiers)}
 
 
-def _write(log, record: dict) -> None:
-    if log is not None:
+def _write(log, record: dict | None) -> None:
+    if log is not None and record is not None:
         log.write(json.dumps(record) + "\n")
         log.flush()
 
