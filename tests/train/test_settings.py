@@ -90,7 +90,8 @@ def test_the_clip_flags_reach_demo_and_sparseloco():
 
 @pytest.mark.parametrize("flat, message", [
     ({"demo_clip": "median"}, r"demo: clip must be one of none, median-norm, got 'median' \(--demo-clip\)"),
-    ({"sparseloco_clip": "None"}, r"sparseloco: clip must be one of none, median-norm, got 'None' \(--sparseloco-clip\)"),
+    ({"sparseloco_clip": "None"},
+     r"sparseloco: clip must be one of none, median-norm, got 'None' \(--sparseloco-clip\)"),
     ({"sparseloco_clip": "median-norm", "sparseloco_values": "fp32"},     # SparseLoCo's own refusal, flag named
      r"sparseloco: clip='median-norm' runs on the grouped path.*\(--sparseloco-clip\)"),
 ])
