@@ -60,9 +60,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--round-timeout", type=float, default=10.0)
     p.add_argument("--slow", default="0.25:3", help="slow: P:FACTOR for site b")
     p.add_argument("--kill", default="b:30", help="churn: SITE:STEP killed for good")
-    p.add_argument("--join", default="c:20", help="churn: SITE:STEP (of the others) it starts at")
+    p.add_argument("--join", default="c:10", help="churn: SITE:STEP (of the others) it starts at")
     p.add_argument("--snapshot-every", type=int, default=5, help="churn: rounds between snapshots")
     p.add_argument("--join-timeout", type=float, default=20.0, help="churn: how long the first round waits for every site")
+    p.add_argument("--pace", type=float, default=0.2, help="churn: seconds every site sleeps after each step, so "
+                   "that a joiner's start-up (imports, the settings check) spans a few steps, not tens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="keep the runs' logs here (default: a temporary folder)")
     return p.parse_args()
@@ -261,16 +263,17 @@ def churn_run(args, optimizer, names, kind, out, kill, join) -> tuple[dict, floa
     `kill` = (site, at its own step) is killed for good there (SIGKILL to its process group)."""
     store, key, t0 = Store(kind, out), secrets.token_hex(32), time.time()
     snap = ["--snapshot-every", str(args.snapshot_every), "--join-timeout", str(args.join_timeout)]
+    paced = {"THINWIRE_STEP_SLEEP": str(args.pace)} if args.pace else {}
     try:
         with IsolatedSites(len(names), rate_bps(args.rate)) as net:
-            procs = {n: start_site(args, optimizer, net, store, i, n, names, key, out, extra=snap)
+            procs = {n: start_site(args, optimizer, net, store, i, n, names, key, out, paced, extra=snap)
                      for i, n in enumerate(names) if not join or n != join[0]}
             pending_join, killed = join, None
             while any(p.poll() is None for p in procs.values()) or pending_join:
                 if pending_join and log_step(out / names[0], optimizer) >= pending_join[1]:
                     i = names.index(pending_join[0])
                     procs[pending_join[0]] = start_site(args, optimizer, net, store, i, pending_join[0], names, key,
-                                                        out, extra=["--join"])
+                                                        out, paced, extra=["--join"])
                     pending_join = None
                 if kill and killed is None and log_step(out / kill[0], optimizer) >= kill[1]:
                     os.killpg(procs[kill[0]].pid, signal.SIGKILL)

@@ -91,9 +91,12 @@ def steps_to_target(evals: list[dict], target: float) -> int | None:
     return next((e["step"] for e in evals if e["val_loss"] <= target), None)
 
 
-def time_to_target(evals: list[dict], times: dict[str, list[float]], target: float) -> dict:
+def time_to_target(evals: list[dict], times: dict[str, list[float]], target: float, first_step: int = 1) -> dict:
+    """Per time model, the time from the first logged step (`first_step`: a site that joined a
+    store run later logs from the step after its snapshot's) to the first evaluation at target."""
     hit = steps_to_target(evals, target)
-    return {name: (None if hit is None else series[hit]) for name, series in times.items()}
+    at = None if hit is None or hit < first_step - 1 else hit - (first_step - 1)
+    return {name: (None if at is None else series[at]) for name, series in times.items()}
 
 
 def summarize(optimizer: str, log: dict, target: float, latency_s: float, link: dict | None = None) -> dict:
@@ -126,7 +129,7 @@ def summarize(optimizer: str, log: dict, target: float, latency_s: float, link: 
         "no_comm_limit_s": None if hit is None else hit * compute_only,
         "train_time_s": {k: v[-1] for k, v in times.items()},
         "target_loss": target,
-        "time_to_target_s": time_to_target(evals, times, target),
+        "time_to_target_s": time_to_target(evals, times, target, steps[0]["step"] if steps else 1),
         "payload_bytes_per_step_by_tag": _by_tag(log["final"], n),
         "comm_stats": log["final"]["comm_stats"] if log["final"] else None,
         "n_params": log["final"]["n_params"] if log["final"] else None,
@@ -350,9 +353,11 @@ def plot(logs: dict[str, dict], out_dir: Path, latency_s: float) -> list[Path]:
             cum.append(cum[-1] + s["payload_bytes"])
         t100 = cumulative_times(log["steps"], latency_s, link_per_step(log),
                                 (log["final"] or {}).get("compute_only_step_s"))["100mbit"]
+        first = log["steps"][0]["step"] - 1 if log["steps"] else 0     # a store site that joined later: > 0
+        steps, loss = zip(*[(k, v) for k, v in zip(steps, loss) if k >= first]) if steps else ((), ())
         axes[0].plot(steps, loss, label=name)
-        axes[1].plot([cum[k] / 1e6 for k in steps], loss, label=name)
-        axes[2].plot([t100[k] for k in steps], loss, label=name)
+        axes[1].plot([cum[k - first] / 1e6 for k in steps], loss, label=name)
+        axes[2].plot([t100[k - first] for k in steps], loss, label=name)
     for ax, xlabel in zip(axes, ("step", "cumulative payload MB per worker", "modelled time at 100 Mbit/s (s)")):
         ax.set_xlabel(xlabel)
         ax.set_ylabel("validation loss")
