@@ -15,7 +15,7 @@ every worker. Not a test: it prints tables (markdown).
 
 same    2 sites x 2 workers: each site's final parameters (SHA-256) against the gloo run's,
         final validation loss, rounds missed, store requests, wall time.
-slow    site b sleeps FACTOR x its last step before a step with probability P
+slow    site b sleeps FACTOR x its last step's compute before a step with probability P
         (THINWIRE_SLOW_STEPS, seeded): the other site goes on at its own pace; the sites'
         parameters compared after every step (THINWIRE_STEP_DIGEST), rounds b missed, final
         loss against the unslowed store run, and the waiting saved: b's sleeps (what an
@@ -65,6 +65,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--join-timeout", type=float, default=20.0, help="churn: how long the first round waits for every site")
     p.add_argument("--pace", type=float, default=0.2, help="churn: seconds every site sleeps after each step, so "
                    "that a joiner's start-up (imports, the settings check) spans a few steps, not tens")
+    p.add_argument("--sync-every", type=int, default=None, help="SparseLoCo's local steps between syncs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="keep the runs' logs here (default: a temporary folder)")
     return p.parse_args()
@@ -80,6 +81,7 @@ def rate_bps(text: str) -> float:
 
 def common(args, optimizer: str) -> list[str]:
     extra = ["--steps", str(args.steps)] if args.steps else []
+    extra += ["--sync-every", str(args.sync_every)] if args.sync_every else []
     return ["train", "--preset", args.preset, "--optimizer", optimizer, "--quiet", "--no-adamw-probe",
             "--seed", str(args.seed), *extra]
 
@@ -210,7 +212,7 @@ def slow_row(label: str, records: dict, optimizer: str, base_loss: float | None,
     step both sites synced (DeMo: every step; SparseLoCo: the sync steps)."""
     steps = {n: {r["step"]: r for r in rs if r.get("kind") == "step"} for n, rs in records.items()}
     a, b = list(steps)
-    synced = [s for s in steps[a] if steps[a][s]["collectives"] and s in steps[b] and steps[b][s]["collectives"]]
+    synced = [s for s in steps[a] if steps[a][s]["payload_bytes"] and s in steps[b] and steps[b][s]["payload_bytes"]]
     differ = sum(steps[a][s]["params_sha256"] != steps[b][s]["params_sha256"] for s in synced)
     rows = []
     for n, rs in records.items():

@@ -3,7 +3,7 @@
     THINWIRE_DIE_AT="rank:step[:how]"      kill, stop or kill-in-save that rank at that step
     THINWIRE_STEP_SLEEP=SECONDS            sleep after every step (outside its timing)
     THINWIRE_SLOW_STEPS="P:FACTOR[:SEED]"  a slowed site: before a step, with probability P,
-                                           sleep FACTOR x the last step's time
+                                           sleep FACTOR x the last step's compute time
     THINWIRE_STEP_DIGEST=1                 every step record carries the parameters' SHA-256
 
 None of them is read unless set; a run without them is the run the harness always ran.
@@ -56,9 +56,11 @@ def pace() -> None:
 
 def slow_before(step: int, last_step_s: float | None) -> float:
     """THINWIRE_SLOW_STEPS="P:FACTOR[:SEED]": before `step`, with probability P, sleep FACTOR
-    times the last step's wall time (a straggling site for the store exchange's runs). The draw
-    is seeded by SEED and the step, so every worker of a command (a site) sleeps at the same
-    steps and a rerun sleeps at them again. Returns the seconds slept (0 when not slowed)."""
+    times the last step's compute time (`last_step_s`: its wall time less its time blocked in
+    the exchange, so a sleep does not grow with the waits it causes): a straggling site for the
+    store exchange's runs. The draw is seeded by SEED and the step, so every worker of a command
+    (a site) sleeps at the same steps and a rerun sleeps at them again. Returns the seconds
+    slept (0 when not slowed)."""
     spec = os.environ.get("THINWIRE_SLOW_STEPS")
     if not spec or not last_step_s:
         return 0.0

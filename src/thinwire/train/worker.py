@@ -215,7 +215,7 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
             x, y = (t.to(device) for t in train_batch(train_ids, cfg, step - 1, shard_rank, shard_world))
             skip = group is not None and group.catching_up()
             rec = _timed_step(built, sched, x, y, fsdp, last=(step == cfg.steps), skip=skip)
-            last_step_s = rec["step_s"]
+            last_step_s = rec["step_s"] - rec["comm_s"]      # its compute: a straggler's sleep must not feed on waits
             rec.update(step_digest(model), **({"slept_s": slept} if slept else {}))
             if resumed is not None:
                 now = time.time()                  # first_step_at: wall clock, to time a recovery from outside
