@@ -1,11 +1,15 @@
-"""--snapshot-every and --join refuse what they cannot run, before any worker starts."""
+"""--snapshot-every and --join: what they refuse before any worker starts, and a joiner
+starting from the snapshot live sites wrote (sites as processes sharing only a folder)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+import thinwire
+from tests.store.train_sites import run_processes
 from thinwire.train.config import RunOptions
-from thinwire.train.site_join import check_join
+from thinwire.train.site_join import check_join, join, publish
 
 URL = "file:///tmp/thinwire-never-written"
 
@@ -27,3 +31,61 @@ def test_snapshots_and_joining_pass_the_check_where_they_can_run():
     check_join(RunOptions(exchange=URL, snapshot_every=5), ["demo", "sparseloco"])
     check_join(RunOptions(exchange=URL, site="c", peers=("a", "b", "c"), join=True), ["demo"])
     check_join(RunOptions(), ["adamw"])
+
+
+KEY, CONFIG = b"the join test's key", '{"test": "harness join"}'
+SITES = ["a.000", "b.000", "c.000"]          # c is declared but joins later
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+
+
+def _built(url: str, site: str, seed: int):
+    from thinwire.store import StoreGroup
+    model = _model(seed)
+    group = StoreGroup(url, site, SITES, KEY, CONFIG, round_timeout=0.3, join_timeout=0.5, poll=(0.01, 0.05))
+    opt = thinwire.DeMo(model.parameters(), lr=1e-2, topk=4, chunk=8, process_group=group)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (s + 1))
+    return model, group, opt, sched
+
+
+def _live_site(tmpdir: str, i: int, url: str) -> None:
+    """Sites a and b: 4 steps, the harness's snapshot after each (every 2 rounds)."""
+    model, group, opt, sched = _built(url, SITES[i], seed=0)
+    options = RunOptions(exchange=url, snapshot_every=2)
+    for step in range(1, 5):
+        data = torch.Generator().manual_seed(100 * i + step)
+        x, y = torch.randn(8, 16, generator=data), torch.randn(8, 8, generator=data)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        sched.step()
+        publish(options, group, model, opt, sched, step, rank=0)
+    torch.save(("ok", [p.detach().clone() for p in model.parameters()]), f"{tmpdir}/result{i}.pt")
+
+
+def test_a_joiner_starts_from_the_live_sites_snapshot(tmp_path):
+    """Two live sites write snapshots through the harness's `publish`; a third, declared but
+    absent, `join`s: the live sites' parameters, their step and schedule, the round after the
+    snapshot's, and its own momentum from zero."""
+    url = tmp_path.as_uri()
+    outcomes = run_processes(_live_site, [(url,), (url,)], timeout=120.0)
+    assert all(isinstance(o, tuple) and o[0] == "ok" for o in outcomes), outcomes
+    final = outcomes[0][1]
+    assert all(torch.equal(x, y) for x, y in zip(final, outcomes[1][1], strict=True))
+    model, group, opt, sched = _built(url, "c.000", seed=1)         # another initial model
+    record = join(RunOptions(exchange=url, site="c", join=True), group, model, opt, sched, timeout_s=10.0)
+    assert record == {"kind": "join", "round": 4, "step": 4}
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), final, strict=True))
+    assert sched.last_epoch == 4 and group.next_round == 5
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 / 5)
+    momenta = [t for state in opt.state.values() for t in state.values() if torch.is_tensor(t) and t.numel() > 1]
+    assert momenta and all(not t.any() for t in momenta)       # per-rank state starts from zero
+
+
+def test_join_gives_up_when_no_snapshot_comes(tmp_path):
+    model, group, opt, sched = _built(tmp_path.as_uri(), "c.000", seed=1)
+    with pytest.raises(RuntimeError, match=r"--join: no snapshot of this run .* --snapshot-every"):
+        join(RunOptions(exchange=tmp_path.as_uri(), site="c", join=True), group, model, opt, sched, timeout_s=0.2)
