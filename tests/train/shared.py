@@ -68,21 +68,33 @@ def train_env(**extra) -> dict:
     return env
 
 
-def start(cmd: list[str], die: str | None = None, env: dict | None = None) -> "Forked":
+def start(cmd: list[str], die: str | None = None, env: dict | None = None, fork_workers: bool = True) -> "Forked":
     """`cmd` (`[sys.executable, "-m", module, *argv]`) started with train_env (and
     THINWIRE_DIE_AT=die) or `env`, its output and errors captured together: launches that do
-    not depend on each other run side by side (`wait`). The process is forked (`Forked`)."""
+    not depend on each other run side by side (`wait`). The process is forked (`Forked`), and
+    so are its harness workers unless `fork_workers` is False (`_run_module`)."""
     assert cmd[:2] == [sys.executable, "-m"], cmd
-    return Forked(cmd, env if env is not None else train_env(**({"THINWIRE_DIE_AT": die} if die else {})))
+    return Forked(cmd, env if env is not None else train_env(**({"THINWIRE_DIE_AT": die} if die else {})),
+                  fork_workers)
 
 
-def _run_module(argv: list[str], env: dict, output: str) -> None:
+def _run_module(argv: list[str], env: dict, output: str, fork_workers: bool = True) -> None:
     """In the forked process: `python -m argv[0] argv[1:]` in environment `env`, stdout and
-    stderr both to the file `output` (unbuffered, as PYTHONUNBUFFERED=1 makes them)."""
+    stderr both to the file `output` (unbuffered, as PYTHONUNBUFFERED=1 makes them).
+
+    `fork_workers`: the harness's launcher (thinwire.train.launch) forks its workers from this
+    process, which has torch and thinwire imported already, instead of starting a forkserver of
+    its own: a fresh interpreter importing launch.PRELOAD, ~7 s of CPU for every launch here, as
+    this process is the tests' server's child and has no server it may reuse. The workers run
+    the same code (launch._entry) with this environment (THINWIRE_DIE_AT, THINWIRE_STEP_SLEEP);
+    only a test of how the forkserver's workers die with their launcher needs the server."""
     import runpy
     import signal
 
     import torch
+    if fork_workers:
+        from thinwire.train import launch
+        launch.start_method = lambda: "fork"
     os.environ.clear()
     os.environ.update(env)
     fd = os.open(output, os.O_WRONLY | os.O_APPEND)
@@ -116,12 +128,13 @@ class Forked:
     part of subprocess.Popen the tests use: poll, wait, communicate (output and errors in one
     text, None), kill, returncode (negative: the signal that ended it), args, pid."""
 
-    def __init__(self, cmd: list[str], env: dict):
+    def __init__(self, cmd: list[str], env: dict, fork_workers: bool = True):
         from tests.dist import _context
         self.args, self._text = cmd, None
         fd, self._output = tempfile.mkstemp(prefix="forked-", suffix=".log")
         os.close(fd)
-        self._proc = _context().Process(target=_run_module, args=(cmd[2:], env, self._output), daemon=False)
+        self._proc = _context().Process(target=_run_module, args=(cmd[2:], env, self._output, fork_workers),
+                                        daemon=False)
         self._proc.start()
         self.pid = self._proc.pid
 

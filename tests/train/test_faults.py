@@ -180,7 +180,7 @@ def test_killing_thinwire_train_itself_kills_its_workers_and_the_same_command_re
     the same command again resumes from the last complete checkpoint and finishes."""
     cmd = [sys.executable, "-m", "thinwire", "train", "--optimizer", "demo", *TRAIN, "--steps", "40",
            "--eval-every", "20", "--out", str(tmp_path), "--checkpoint-every", "4"]
-    proc = start(cmd)
+    proc = start(cmd, fork_workers=False)            # the harness's own forkserver: its workers are not our children
     while not (checkpoint_root(tmp_path) / "step-000004").exists():
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         time.sleep(0.02)
