@@ -1,6 +1,7 @@
 """`thinwire train --exchange URL --site NAME --peers a,b` (train/site_run.py): each site its own
 command, sharing nothing but the store. 2 sites x 2 workers of DeMo, as real processes started
-side by side over a file:// store (one site given the key in a file, the other in the
+side by side over a file:// store, each in its own network namespace with no route to the other
+where namespaces can be made (one site given the key in a file, the other in the
 environment): both sites end with the same parameters, to the last bit those of one 4-worker
 gloo run of the same config; and what a site command cannot run is refused before any worker
 starts, the store left empty. (The per-site path does not depend on the optimizer or the kind
@@ -9,16 +10,21 @@ tests/store's; a site pair each costs ~14 s of CPU.)"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import secrets
 import sys
+import tempfile
 import threading
 from dataclasses import replace
 
 import pytest
 
-from tests.train.shared import compare_here, start, train_env, wait
+from tests.train.shared import Forked, _run_module, compare_here, start, train_env, wait
 from thinwire.train.cli import main
+from thinwire.train.netns import available, enter_namespace
+from thinwire.train.netns_isolated import IsolatedSites
 
 RUN = ("--preset", "tiny", "--workers", "2", "--steps", "4", "--eval-every", "4", "--eval-rows", "16",
        "--sync-every", "2", "--no-adamw-probe", "--quiet")
@@ -30,24 +36,48 @@ def _final(out) -> dict:
     return next(r for r in lines if r["kind"] == "final")
 
 
-def _site(tmp, site: str, optimizer: str, url: str, env: dict, *flags: str):
+def _site(tmp, site: str, optimizer: str, url: str, env: dict, *flags: str, namespace: str | None = None):
     argv = ["train", "--optimizer", optimizer, *RUN, "--exchange", url, "--round-timeout", "120",
             "--site", site, "--peers", ",".join(SITES), "--out", str(tmp / f"{optimizer}-{site}"), *flags]
-    return start([sys.executable, "-m", "thinwire", *argv], env=env)
+    cmd = [sys.executable, "-m", "thinwire", *argv]
+    return InNamespace(cmd, env, namespace) if namespace else start(cmd, env=env)
+
+
+def _run_module_in(namespace: str, argv: list[str], env: dict, output: str, fork_workers: bool) -> None:
+    enter_namespace(namespace)           # the forked child has one thread: its workers inherit the namespace
+    _run_module(argv, env, output, fork_workers)
+
+
+class InNamespace(Forked):
+    """`Forked`, the process (and the site's workers it forks) in network namespace `namespace`."""
+
+    def __init__(self, cmd: list[str], env: dict, namespace: str):
+        from tests.dist import _context
+        self.args, self._text = cmd, None
+        fd, self._output = tempfile.mkstemp(prefix="forked-", suffix=".log")
+        os.close(fd)
+        self._proc = _context().Process(target=_run_module_in, args=(namespace, cmd[2:], env, self._output, True))
+        self._proc.start()
+        self.pid = self._proc.pid
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The two site commands run side by side while the 4-worker gloo run runs in this process."""
+    """The two site commands run side by side while the 4-worker gloo run runs in this process;
+    where namespaces can be made (root, iproute2), each site in its own, with no route to the
+    other (`IsolatedSites`): the folder is all they share."""
     tmp = tmp_path_factory.mktemp("sites")
     key = secrets.token_hex(32)
     key_file = tmp / "key"
     key_file.write_text(key + "\n")
     folder = (tmp / "store").as_uri()
-    procs = [_site(tmp, "a", "demo", folder, train_env(), "--exchange-key-file", str(key_file)),
-             _site(tmp, "b", "demo", folder, train_env(THINWIRE_EXCHANGE_KEY=key))]
-    gloo = compare_here(tmp / "gloo", *RUN[:2], "--workers", "4", *RUN[4:], "--optimizers", "demo")
-    done = [wait(p, timeout=300) for p in procs]
+    with IsolatedSites(len(SITES), rate_bps=1e9) if available()[0] else contextlib.nullcontext() as net:
+        spaces = net.namespaces if net is not None else [None, None]
+        procs = [_site(tmp, "a", "demo", folder, train_env(), "--exchange-key-file", str(key_file),
+                       namespace=spaces[0]),
+                 _site(tmp, "b", "demo", folder, train_env(THINWIRE_EXCHANGE_KEY=key), namespace=spaces[1])]
+        gloo = compare_here(tmp / "gloo", *RUN[:2], "--workers", "4", *RUN[4:], "--optimizers", "demo")
+        done = [wait(p, timeout=300) for p in procs]
     for p in done:
         assert p.returncode == 0, p.stdout[-3000:]
     return tmp, gloo
