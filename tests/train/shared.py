@@ -24,6 +24,10 @@ TINY_OPTIMIZERS = ("adamw", "powersgd", "demo",                                 
                    "adam", "apmsqueeze", "muon", "ef21-muon", "lordo", "diloco",  # test_compare_all.py, with adamw
                    "sparseloco", "sparseloco-delayed", "sign-demo")             # sign-demo: test_compare_all.py
 
+# `python -m thinwire.train` as a script, for torchrun workers forked from a preloaded server
+# (tests.integrations.launch.preloaded): test_faults.py's and test_elastic_torchrun.py's
+TRAIN_MAIN = Path(__file__).resolve().parent / "train_main.py"
+
 # test_faults.py's runs; the same DeMo run never interrupted is test_checkpoint.py's too (its TINY)
 TRAIN = ["--preset", "tiny", "--steps", "8", "--eval-every", "4", "--eval-rows", "16", "--workers", "2",
          "--sync-every", "3", "--quiet"]
