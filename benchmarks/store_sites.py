@@ -66,6 +66,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--pace", type=float, default=0.2, help="churn: seconds every site sleeps after each step, so "
                    "that a joiner's start-up (imports, the settings check) spans a few steps, not tens")
     p.add_argument("--sync-every", type=int, default=None, help="SparseLoCo's local steps between syncs")
+    p.add_argument("--rows", type=int, default=None, help="batch rows per step (wan has 2: give 4 for 4 workers)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="keep the runs' logs here (default: a temporary folder)")
     return p.parse_args()
@@ -82,6 +83,7 @@ def rate_bps(text: str) -> float:
 def common(args, optimizer: str) -> list[str]:
     extra = ["--steps", str(args.steps)] if args.steps else []
     extra += ["--sync-every", str(args.sync_every)] if args.sync_every else []
+    extra += ["--rows", str(args.rows)] if args.rows else []
     return ["train", "--preset", args.preset, "--optimizer", optimizer, "--quiet", "--no-adamw-probe",
             "--seed", str(args.seed), *extra]
 
@@ -212,7 +214,10 @@ def slow_row(label: str, records: dict, optimizer: str, base_loss: float | None,
     step both sites synced (DeMo: every step; SparseLoCo: the sync steps)."""
     steps = {n: {r["step"]: r for r in rs if r.get("kind") == "step"} for n, rs in records.items()}
     a, b = list(steps)
-    synced = [s for s in steps[a] if steps[a][s]["payload_bytes"] and s in steps[b] and steps[b][s]["payload_bytes"]]
+    # the steps that carried a message (a periodic method's first step carries only the handshake)
+    full = max(r["payload_bytes"] for r in steps[a].values())
+    synced = [s for s in steps[a] if steps[a][s]["payload_bytes"] > full // 2 and s in steps[b]
+              and steps[b][s]["payload_bytes"] > full // 2]
     differ = sum(steps[a][s]["params_sha256"] != steps[b][s]["params_sha256"] for s in synced)
     rows = []
     for n, rs in records.items():
