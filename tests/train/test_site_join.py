@@ -89,3 +89,14 @@ def test_join_gives_up_when_no_snapshot_comes(tmp_path):
     model, group, opt, sched = _built(tmp_path.as_uri(), "c.000", seed=1)
     with pytest.raises(RuntimeError, match=r"--join: no snapshot of this run .* --snapshot-every"):
         join(RunOptions(exchange=tmp_path.as_uri(), site="c", join=True), group, model, opt, sched, timeout_s=0.2)
+
+
+def test_a_joiners_log_times_its_target_from_its_first_step():
+    """A site that joined at step 3 logs steps 4-6: its time to target counts from step 4."""
+    from thinwire.train.report import cumulative_times, time_to_target
+    steps = [{"step": s, "step_s": 1.0, "comm_s": 0.0, "link_bytes_sent": 0, "link_bytes_received": 0,
+              "collectives": 1} for s in (4, 5, 6)]
+    evals = [{"step": 4, "val_loss": 3.0}, {"step": 6, "val_loss": 2.0}]
+    times = cumulative_times(steps, 0.0)
+    assert time_to_target(evals, times, 2.5, first_step=4)["measured"] == 3.0     # steps 4, 5 and 6
+    assert time_to_target(evals, times, 3.5, first_step=4)["measured"] == 1.0

@@ -129,7 +129,7 @@ def summarize(optimizer: str, log: dict, target: float, latency_s: float, link: 
         "no_comm_limit_s": None if hit is None else hit * compute_only,
         "train_time_s": {k: v[-1] for k, v in times.items()},
         "target_loss": target,
-        "time_to_target_s": time_to_target(evals, times, target, steps[0]["step"] if steps else 1),
+        "time_to_target_s": time_to_target(evals, times, target, steps[0].get("step", 1) if steps else 1),
         "payload_bytes_per_step_by_tag": _by_tag(log["final"], n),
         "comm_stats": log["final"]["comm_stats"] if log["final"] else None,
         "n_params": log["final"]["n_params"] if log["final"] else None,
@@ -353,7 +353,7 @@ def plot(logs: dict[str, dict], out_dir: Path, latency_s: float) -> list[Path]:
             cum.append(cum[-1] + s["payload_bytes"])
         t100 = cumulative_times(log["steps"], latency_s, link_per_step(log),
                                 (log["final"] or {}).get("compute_only_step_s"))["100mbit"]
-        first = log["steps"][0]["step"] - 1 if log["steps"] else 0     # a store site that joined later: > 0
+        first = log["steps"][0].get("step", 1) - 1 if log["steps"] else 0     # a store site that joined later: > 0
         steps, loss = zip(*[(k, v) for k, v in zip(steps, loss) if k >= first]) if steps else ((), ())
         axes[0].plot(steps, loss, label=name)
         axes[1].plot([cum[k - first] / 1e6 for k in steps], loss, label=name)
