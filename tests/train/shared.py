@@ -72,17 +72,20 @@ def train_env(**extra) -> dict:
     return env
 
 
-def start(cmd: list[str], die: str | None = None, env: dict | None = None, fork_workers: bool = True) -> "Forked":
+def start(cmd: list[str], die: str | None = None, env: dict | None = None, fork_workers: bool = True,
+          namespace: str | None = None) -> "Forked":
     """`cmd` (`[sys.executable, "-m", module, *argv]`) started with train_env (and
     THINWIRE_DIE_AT=die) or `env`, its output and errors captured together: launches that do
     not depend on each other run side by side (`wait`). The process is forked (`Forked`), and
-    so are its harness workers unless `fork_workers` is False (`_run_module`)."""
+    so are its harness workers unless `fork_workers` is False (`_run_module`). `namespace`: a
+    network namespace the process (and the workers it forks) runs in."""
     assert cmd[:2] == [sys.executable, "-m"], cmd
     return Forked(cmd, env if env is not None else train_env(**({"THINWIRE_DIE_AT": die} if die else {})),
-                  fork_workers)
+                  fork_workers, namespace)
 
 
-def _run_module(argv: list[str], env: dict, output: str, fork_workers: bool = True) -> None:
+def _run_module(argv: list[str], env: dict, output: str, fork_workers: bool = True,
+                namespace: str | None = None) -> None:
     """In the forked process: `python -m argv[0] argv[1:]` in environment `env`, stdout and
     stderr both to the file `output` (unbuffered, as PYTHONUNBUFFERED=1 makes them).
 
@@ -96,6 +99,9 @@ def _run_module(argv: list[str], env: dict, output: str, fork_workers: bool = Tr
     import signal
 
     import torch
+    if namespace:                        # the forked child has one thread: its workers inherit the namespace
+        from thinwire.train.netns import enter_namespace
+        enter_namespace(namespace)
     if fork_workers:
         from thinwire.train import launch
         launch.start_method = lambda: "fork"
@@ -132,12 +138,12 @@ class Forked:
     part of subprocess.Popen the tests use: poll, wait, communicate (output and errors in one
     text, None), kill, returncode (negative: the signal that ended it), args, pid."""
 
-    def __init__(self, cmd: list[str], env: dict, fork_workers: bool = True):
+    def __init__(self, cmd: list[str], env: dict, fork_workers: bool = True, namespace: str | None = None):
         from tests.dist import _context
         self.args, self._text = cmd, None
         fd, self._output = tempfile.mkstemp(prefix="forked-", suffix=".log")
         os.close(fd)
-        self._proc = _context().Process(target=_run_module, args=(cmd[2:], env, self._output, fork_workers),
+        self._proc = _context().Process(target=_run_module, args=(cmd[2:], env, self._output, fork_workers, namespace),
                                         daemon=False)
         self._proc.start()
         self.pid = self._proc.pid

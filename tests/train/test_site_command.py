@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import secrets
 import sys
-import tempfile
 import threading
 from dataclasses import replace
 
 import pytest
 
-from tests.train.shared import Forked, _run_module, compare_here, start, train_env, wait
+from tests.train.shared import compare_here, start, train_env, wait
 from thinwire.train.cli import main
-from thinwire.train.netns import available, enter_namespace
+from thinwire.train.netns import available
 from thinwire.train.netns_isolated import IsolatedSites
 
 RUN = ("--preset", "tiny", "--workers", "2", "--steps", "4", "--eval-every", "4", "--eval-rows", "16",
@@ -39,26 +37,7 @@ def _final(out) -> dict:
 def _site(tmp, site: str, optimizer: str, url: str, env: dict, *flags: str, namespace: str | None = None):
     argv = ["train", "--optimizer", optimizer, *RUN, "--exchange", url, "--round-timeout", "120",
             "--site", site, "--peers", ",".join(SITES), "--out", str(tmp / f"{optimizer}-{site}"), *flags]
-    cmd = [sys.executable, "-m", "thinwire", *argv]
-    return InNamespace(cmd, env, namespace) if namespace else start(cmd, env=env)
-
-
-def _run_module_in(namespace: str, argv: list[str], env: dict, output: str, fork_workers: bool) -> None:
-    enter_namespace(namespace)           # the forked child has one thread: its workers inherit the namespace
-    _run_module(argv, env, output, fork_workers)
-
-
-class InNamespace(Forked):
-    """`Forked`, the process (and the site's workers it forks) in network namespace `namespace`."""
-
-    def __init__(self, cmd: list[str], env: dict, namespace: str):
-        from tests.dist import _context
-        self.args, self._text = cmd, None
-        fd, self._output = tempfile.mkstemp(prefix="forked-", suffix=".log")
-        os.close(fd)
-        self._proc = _context().Process(target=_run_module_in, args=(namespace, cmd[2:], env, self._output, True))
-        self._proc.start()
-        self.pid = self._proc.pid
+    return start([sys.executable, "-m", "thinwire", *argv], env=env, namespace=namespace)
 
 
 @pytest.fixture(scope="module")
