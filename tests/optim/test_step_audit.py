@@ -209,24 +209,31 @@ def test_sparseloco_bf16_sync_launches_as_float32_does_plus_a_few(sparseloco_aud
     assert [n for n, _ in two] == [n for n, _ in eight], (two, eight)
 
 
-def test_the_finiteness_flag_of_mixed_dtypes_is_one_norm_per_dtype_and_exact():
+def test_the_finiteness_flag_of_mixed_dtypes_is_one_check_per_dtype_and_exact():
     """`nonfinite_flag` over bf16 and float32 gradients: a fixed number of launches however many
-    tensors (one foreach norm per dtype: torch loops over a mixed list), True for a NaN or an
-    inf in either dtype, False for finite values at the edge of bf16's range."""
+    tensors (one multi-tensor check per dtype: torch loops over a mixed list), True for a NaN or
+    an inf in either dtype, False for finite values at the edge of bf16's range, and every
+    gradient left bit for bit as it was."""
     from thinwire.optim.protocol import nonfinite_flag
 
     def grads(n):
-        return [torch.full((3,), 3e38, dtype=torch.bfloat16) for _ in range(n)] + [torch.ones(2) for _ in range(n)]
+        edge = torch.tensor([3.4e38, -3.4e38, -0.0, 1e-45])      # float32's largest, a signed zero, a subnormal
+        return [torch.full((3,), 3e38, dtype=torch.bfloat16) for _ in range(n)] + [edge.clone() for _ in range(n)]
 
     counts = []
+    nonfinite_flag(grads(1))                                    # makes its constant 1.0 once, as a first step does
     for n in (2, 8):
         tensors, audit = grads(n), StepAudit()
+        before = [t.clone() for t in tensors]
         with audit:
             flag = nonfinite_flag(tensors)
         counts.append(audit.launches)
         assert not flag.item()
+        for t, b in zip(tensors, before):
+            assert torch.equal(t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32),
+                               b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))
     assert counts[0] == counts[1]
-    for bad in (float("nan"), float("inf")):
+    for bad in (float("nan"), float("inf"), -float("inf")):
         for i in (0, -1):
             gs = grads(2)
             gs[i][1] = bad

@@ -73,6 +73,7 @@ class Group:
         self.low = (None if self.dtype == torch.float32 else
                     torch.empty(self.momentum.numel(), dtype=self.dtype, device=device))
         self.decay = torch.ones((), device=device)          # 1 − ηλ as a float32 tensor, for `low` groups
+        self.zero = torch.zeros((), device=device)          # what a flagged step's gradients are taken as
         self.ones: torch.Tensor | None = None               # `_add_signs` on CPU
         self.views = self.chunks.views(self.momentum)       # each member's [R_i, C] of the momentum
         # each chunk's member (the order of `ChunkGroup.received`'s chunks): the median-norm clip's segments
@@ -156,8 +157,8 @@ def gradients_into(g: Group, slots, x: torch.Tensor, nonfinite: torch.Tensor | N
         torch.cat(pieces, out=x[: g.momentum.numel()])
     else:                                                    # one same-dtype cat, one exact widening copy
         x[: g.momentum.numel()].copy_(torch.cat(pieces, out=g.low))
-    if nonfinite is not None:
-        x[: g.momentum.numel()].masked_fill_(nonfinite, 0.0)
+    if nonfinite is not None:                                # one pass; a CPU's masked_fill_ takes 1.4x as long
+        torch.where(nonfinite, g.zero, x[: g.momentum.numel()], out=x[: g.momentum.numel()])
 
 
 def encode(g: Group, slots, step: int, payload: torch.Tensor, scratch, weight: float, ahead: bool,
