@@ -78,6 +78,7 @@ def params_digest(model) -> str:
     have the same digest exactly when they are bit-identical."""
     digest = hashlib.sha256()
     for p in model.parameters():
+        p = p.full_tensor() if hasattr(p, "full_tensor") else p     # an FSDP2 shard: the whole tensor (a collective)
         digest.update(p.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 

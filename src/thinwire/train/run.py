@@ -102,7 +102,7 @@ def compare(cfg: TrainConfig, optimizers: list[str], options: RunOptions | None 
     started = process_started()            # a resumed run's time to recover counts from the command's start
     opts = replace(options or RunOptions(), **fields)
     workers = cfg.workers if opts.workers is None else opts.workers
-    check_site(opts, workers)                  # --site's flags and key first: they need no data
+    check_site(opts, workers, cfg.sites)       # --site's flags and key first: they need no data
     opts = site_options(with_key(opts))
     cfg, opts = prepare(cfg, opts)
     check_run(cfg, optimizers, run_world(opts, workers), opts.data)

@@ -85,9 +85,10 @@ def read_key(opts: RunOptions) -> RunOptions:
     return replace(opts, exchange_key=key)
 
 
-def check_site(opts: RunOptions, workers: int) -> None:
-    """ValueError, before any worker starts, when --site/--peers cannot run; what any --exchange
-    run needs (a thinwire optimizer, no --sites tiers) store_runs.check_exchange checks."""
+def check_site(opts: RunOptions, workers: int, sites: int = 0) -> None:
+    """ValueError, before any worker starts, when --site/--peers cannot run (`sites`: --sites,
+    which under --site must count the --peers); what any --exchange run needs (a thinwire
+    optimizer) store_runs.check_exchange checks."""
     from ..store.manifest import check_site as valid_id
     if not opts.site:
         if opts.peers:
@@ -111,6 +112,9 @@ def check_site(opts: RunOptions, workers: int) -> None:
     if opts.link:
         raise ValueError("--link emulates links between this command's workers; with --site they share a "
                          "machine and only the store crosses sites (run the site behind the real or emulated link)")
+    if sites and sites != len(opts.peers):
+        raise ValueError(f"--sites with --site counts the run's sites: give --sites {len(opts.peers)} (one per "
+                         "--peers) to shard each site's workers with FSDP2, or leave it out")
     if opts.checkpoint_every:
         raise ValueError("--checkpoint-every with --site is not supported yet: a site resumed alone would not "
                          "rejoin the store's rounds where it left them")

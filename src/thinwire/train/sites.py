@@ -2,7 +2,7 @@
 the optimizer across sites (docs/design.md, "Two tiers").
 
     tiers = Tiers.of(cfg, world)                  # None without --sites
-    model, built, fsdp = setup(tiers, model, spec, cfg, lr, device)
+    model, built, fsdp, shard_group = setup(tiers, model, spec, cfg, lr, device)
 
 Rank r is in site r // (W/S): consecutive ranks share a site, as `torchrun --nnodes S`
 numbers them (node-major), so one node is one site. Inside every worker:
@@ -67,8 +67,16 @@ class Tiers:
     def site_of(self, rank: int) -> int:
         return rank // self.ranks_per_site
 
-    def mesh(self, device_type: str):
+    def shard_of(self, rank: int) -> int:
+        """Which shard of the model `rank` holds: its place in its site."""
+        return rank % self.ranks_per_site
+
+    def mesh(self, device_type: str, one_site: bool = False):
+        """The [sites, shard] mesh over this command's world; with `one_site` (a --site run,
+        whose world is one site) the 1-D [shard] mesh."""
         from torch.distributed.device_mesh import init_device_mesh
+        if one_site:
+            return init_device_mesh(device_type, (self.ranks_per_site,), mesh_dim_names=("shard",))
         return init_device_mesh(device_type, (self.sites, self.ranks_per_site), mesh_dim_names=("site", "shard"))
 
 
@@ -119,7 +127,8 @@ class _CountingDist:
 
     def __init__(self, stats: FSDPStats, site_group):
         self._stats, self._lock = stats, threading.Lock()
-        self._site_ranks = dist.get_process_group_ranks(site_group)
+        # no site group (the store carries the tier across sites): every FSDP2 collective is intra-site
+        self._site_ranks = None if site_group is None else dist.get_process_group_ranks(site_group)
 
     def __getattr__(self, name):
         return getattr(dist, name)
@@ -165,22 +174,29 @@ def count_fsdp_collectives(site_group) -> FSDPStats:
     return stats
 
 
-def setup(tiers: Tiers, model: torch.nn.Module, spec, cfg, lr: float, device: torch.device):
-    """(model, Built, FSDPStats or None) for this rank under `tiers` (see the module docstring)."""
+def setup(tiers: Tiers, model: torch.nn.Module, spec, cfg, lr: float, device: torch.device, across=None,
+          one_site: bool = False):
+    """(model, Built, FSDPStats or None, the site's shard group or None) for this rank under
+    `tiers` (see the module docstring). `across`: the optimizer's group across sites when it is
+    not the mesh's site group (a `thinwire.store.StoreGroup` of this rank's shard, --exchange);
+    `one_site`: this command's world is one site (--site), so there is no site group at all."""
     from .optimizers import Built
     if tiers.flat:
-        return model, spec.build(model, cfg, lr), None
+        return model, spec.build(model, cfg, lr, group=across), None, None
     reason = why_not_on_shards(spec)
     if reason:
         raise ValueError(reason)
-    mesh = tiers.mesh(device.type)
-    site_group = mesh["site"].get_group()
-    fsdp = count_fsdp_collectives(site_group)
+    mesh = tiers.mesh(device.type, one_site)
+    site_group = None if one_site else mesh["site"].get_group()
+    shard_mesh = mesh if one_site else mesh["shard"]
+    fsdp = count_fsdp_collectives(None if across is not None else site_group)
     if spec.hsdp is not None:                 # the dense baseline: HSDP, FSDP2 all-reduces across sites
         shard_model(model, mesh)
-        return model, Built(spec.hsdp(model.parameters(), cfg, lr), model, fsdp.inter, counts_itself=False), fsdp
-    shard_model(model, mesh["shard"])
-    return model, spec.build(model, cfg, lr, group=site_group), fsdp
+        built = Built(spec.hsdp(model.parameters(), cfg, lr), model, fsdp.inter, counts_itself=False)
+        return model, built, fsdp, shard_mesh.get_group()
+    shard_model(model, shard_mesh)
+    group = across if across is not None else site_group
+    return model, spec.build(model, cfg, lr, group=group), fsdp, shard_mesh.get_group()
 
 
 def _tensors(value):

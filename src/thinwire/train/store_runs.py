@@ -40,9 +40,9 @@ def check_exchange(cfg: TrainConfig, optimizers: list[str], opts: RunOptions) ->
         return
     if not opts.round_timeout > 0:
         raise ValueError(f"--round-timeout must be > 0 seconds, got {opts.round_timeout}")
-    if cfg.sites:
-        raise ValueError("--exchange with --sites: FSDP2 inside a site and the store across sites is not supported "
-                         "yet; give one of them")
+    if cfg.sites and (opts.join or opts.snapshot_every):
+        raise ValueError("--join and --snapshot-every with --sites are not supported yet: a site sharded by FSDP2 "
+                         "would need its snapshot written shard by shard (DCP)")
     from urllib.parse import urlparse
     if urlparse(opts.exchange).scheme not in ("file", "s3"):
         raise ValueError(f"--exchange must be a file:///folder or s3://bucket/prefix URL, got {opts.exchange!r}")
@@ -81,6 +81,22 @@ def store_group(opts: RunOptions, cfg: TrainConfig, optimizer: str, lr: float, r
     fingerprint = json.dumps({"config": shared_config(cfg), "optimizer": optimizer, "lr": lr, "participants": sites},
                              sort_keys=True, default=str)
     return StoreGroup(location, participant(opts, rank), sites, key, fingerprint, opts.round_timeout,
+                      join_timeout=opts.join_timeout)
+
+
+def shard_store_group(opts: RunOptions, cfg: TrainConfig, optimizer: str, lr: float, site: int, shard: int):
+    """The `StoreGroup` of shard `shard` of site `site` under --sites with --exchange: FSDP2 shards
+    the model inside each site, and shard k of every site exchanges with shard k of the others
+    through its own rounds under <URL>/<run>/<optimizer>/shard-<k> (the store's counterpart of
+    the mesh's site group of rank k). Participants are the sites, in the order of the sites'
+    ranks: site-<s> in one command, the sorted --peers under --site."""
+    from ..store import StoreGroup
+    sites = sorted(opts.peers) if opts.site else [f"site-{s:03d}" for s in range(cfg.sites)]
+    location = f"{run_url(opts)}/{optimizer}/shard-{shard:03d}"
+    fingerprint = json.dumps({"config": shared_config(cfg), "optimizer": optimizer, "lr": lr, "participants": sites,
+                              "shard": shard}, sort_keys=True, default=str)
+    key = bytes.fromhex(opts.exchange_key)
+    return StoreGroup(location, sites[site], sites, key, fingerprint, opts.round_timeout,
                       join_timeout=opts.join_timeout)
 
 

@@ -45,7 +45,7 @@ from .progress import Progress
 from .site_join import join, publish
 from .site_run import gather_store, global_rank, store_record
 from .sites import Tiers, optimizer_state_bytes, setup, site_sums
-from .store_runs import store_group
+from .store_runs import shard_store_group, store_group
 from .timing import BLOCKED, install
 
 
@@ -177,13 +177,17 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
     train_ids, val_ids = load_corpus(options.data, cfg.vocab_size)
     device = _device()
     model = build_model(cfg).to(device)
-    tiers, fsdp, group = Tiers.of(cfg, world), None, None
     shard_rank, shard_world = global_rank(options, rank, world)   # under --site: across every site
-    if tiers is None:
+    tiers, fsdp, group, shard_group = Tiers.of(cfg, shard_world), None, None, None
+    if tiers is None or (tiers.flat and options.exchange):
         group = store_group(options, cfg, optimizer, lr, rank, world) if options.exchange else None
         built = get_optimizer(optimizer).build(model, cfg, lr, group=group)
     else:
-        model, built, fsdp = setup(tiers, model, get_optimizer(optimizer), cfg, lr, device)
+        if options.exchange:
+            site = sorted(options.peers).index(options.site) if options.site else tiers.site_of(rank)
+            group = shard_store_group(options, cfg, optimizer, lr, site, tiers.shard_of(rank))
+        model, built, fsdp, shard_group = setup(tiers, model, get_optimizer(optimizer), cfg, lr, device,
+                                                across=group, one_site=bool(options.site))
     inter_steps = []                                # this rank's (payload, sent, received) per step
     sched = torch.optim.lr_scheduler.LambdaLR(built.optimizer, lambda s: lr_factor(s, cfg))
     starts = val_starts(val_ids, cfg)
@@ -213,7 +217,7 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
             maybe_die(rank, step)
             slept = slow_before(step, last_step_s)
             x, y = (t.to(device) for t in train_batch(train_ids, cfg, step - 1, shard_rank, shard_world))
-            skip = group is not None and group.catching_up()
+            skip = group is not None and _site_catching_up(group, shard_group)
             rec = _timed_step(built, sched, x, y, fsdp, last=(step == cfg.steps), skip=skip)
             last_step_s = rec["step_s"] - rec["comm_s"]      # its compute: a straggler's sleep must not feed on waits
             rec.update(step_digest(model), **({"slept_s": slept} if slept else {}))
@@ -248,6 +252,7 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
             final[name], final[PROBE_FIELDS[name]] = record, record["step_s"]
         if tiers is not None:
             final["tiers"] = _gather_tiers(tiers, world, state_bytes, inter_steps)
+            final["params_sha256"] = params_digest(model)       # the whole model's: every rank of a site agrees
         else:
             final["replicas_identical"], final["params_sha256"] = _replicas_identical(model, world)
         if group is not None:
@@ -263,6 +268,18 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
         bar.close()
         if log:
             log.close()
+
+
+def _site_catching_up(group, shard_group) -> bool:
+    """`StoreGroup.catching_up` for this rank, agreed by every rank of its site when FSDP2
+    shards it (`shard_group`): each shard has its own rounds, and one shard that skips its
+    forward and backward while another runs them would leave FSDP2's collectives unmatched."""
+    behind = group.catching_up()
+    if shard_group is None:
+        return behind
+    flag = torch.tensor([int(behind)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shard_group)
+    return bool(flag.item())
 
 
 def _replicas_identical(model, world: int) -> tuple[bool, str]:
