@@ -15,12 +15,16 @@ ARGS = ("--preset", "tiny", "--workers", "2", "--steps", "6", "--eval-every", "3
         "--sync-every", "2", "--no-adamw-probe", "--optimizers", "demo,sign-demo,sparseloco")
 
 
+def _gloo_and_store(tmp_path_factory, args: tuple) -> tuple[dict, dict, object]:
+    """The compare run of `args` over gloo, then through a fresh file:// store: (gloo, store run, its folder)."""
+    store = tmp_path_factory.mktemp("rounds")
+    gloo = compare_here(tmp_path_factory.mktemp("gloo"), *args)
+    return gloo, compare_here(tmp_path_factory.mktemp("store"), *args, "--exchange", store.as_uri()), store
+
+
 @pytest.fixture(scope="module")
 def both(tmp_path_factory):
-    store = tmp_path_factory.mktemp("rounds")
-    gloo = compare_here(tmp_path_factory.mktemp("gloo"), *ARGS)
-    through = compare_here(tmp_path_factory.mktemp("store"), *ARGS, "--exchange", store.as_uri())
-    return gloo, through, store
+    return _gloo_and_store(tmp_path_factory, ARGS)
 
 
 def test_the_store_run_is_the_gloo_run_to_the_last_bit(both):
@@ -70,10 +74,7 @@ TIERS = ("--preset", "tiny", "--workers", "4", "--sites", "2", "--steps", "4", "
 def tiers(tmp_path_factory):
     """2 sites x 2 ranks, FSDP2 inside each site: the optimizer across sites over gloo (the
     mesh's site group) and through a file:// store (a StoreGroup per shard)."""
-    store = tmp_path_factory.mktemp("tier-rounds")
-    gloo = compare_here(tmp_path_factory.mktemp("tier-gloo"), *TIERS)
-    through = compare_here(tmp_path_factory.mktemp("tier-store"), *TIERS, "--exchange", store.as_uri())
-    return gloo, through, store
+    return _gloo_and_store(tmp_path_factory, TIERS)
 
 
 def test_fsdp2_inside_sites_and_the_store_across_them_is_the_gloo_run_to_the_last_bit(tiers):

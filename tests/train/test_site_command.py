@@ -50,17 +50,24 @@ def runs(tmp_path_factory):
     key = secrets.token_hex(32)
     key_file = tmp / "key"
     key_file.write_text(key + "\n")
+    sites = [(train_env(), ("--exchange-key-file", str(key_file))), (train_env(THINWIRE_EXCHANGE_KEY=key), ())]
+    return tmp, _site_pair_beside_gloo(tmp, sites, ())
+
+
+def _site_pair_beside_gloo(tmp, sites: list[tuple[dict, tuple]], flags: tuple) -> dict:
+    """Both site commands of DeMo (each its (env, flags), then `flags`) side by side, each in its
+    own namespace where namespaces can be made, while the 4-worker gloo run of `flags` runs in
+    this process; every site command must succeed. Returns the gloo run."""
     folder = (tmp / "store").as_uri()
     with IsolatedSites(len(SITES), rate_bps=1e9) if available()[0] else contextlib.nullcontext() as net:
         spaces = net.namespaces if net is not None else [None, None]
-        procs = [_site(tmp, "a", "demo", folder, train_env(), "--exchange-key-file", str(key_file),
-                       namespace=spaces[0]),
-                 _site(tmp, "b", "demo", folder, train_env(THINWIRE_EXCHANGE_KEY=key), namespace=spaces[1])]
-        gloo = compare_here(tmp / "gloo", *RUN[:2], "--workers", "4", *RUN[4:], "--optimizers", "demo")
+        procs = [_site(tmp, site, "demo", folder, env, *own, *flags, namespace=space)
+                 for site, (env, own), space in zip(SITES, sites, spaces)]
+        gloo = compare_here(tmp / "gloo", *RUN[:2], "--workers", "4", *flags, *RUN[4:], "--optimizers", "demo")
         done = [wait(p, timeout=300) for p in procs]
     for p in done:
         assert p.returncode == 0, p.stdout[-3000:]
-    return tmp, gloo
+    return gloo
 
 
 def test_both_sites_end_with_the_parameters_of_one_gloo_run(runs):
@@ -91,16 +98,7 @@ def sharded(tmp_path_factory):
     where namespaces can be made, beside one 4-worker gloo run of 2 sites x 2 ranks."""
     tmp = tmp_path_factory.mktemp("sharded")
     env = train_env(THINWIRE_EXCHANGE_KEY=secrets.token_hex(32))
-    folder = (tmp / "store").as_uri()
-    with IsolatedSites(len(SITES), rate_bps=1e9) if available()[0] else contextlib.nullcontext() as net:
-        spaces = net.namespaces if net is not None else [None, None]
-        procs = [_site(tmp, site, "demo", folder, env, "--sites", "2", namespace=space)
-                 for site, space in zip(SITES, spaces)]
-        gloo = compare_here(tmp / "gloo", *RUN[:2], "--workers", "4", "--sites", "2", *RUN[4:], "--optimizers", "demo")
-        done = [wait(p, timeout=300) for p in procs]
-    for p in done:
-        assert p.returncode == 0, p.stdout[-3000:]
-    return tmp, gloo
+    return tmp, _site_pair_beside_gloo(tmp, [(env, ()), (env, ())], ("--sites", "2"))
 
 
 def test_sites_sharded_by_fsdp2_end_with_the_parameters_of_one_two_tier_gloo_run(sharded):
