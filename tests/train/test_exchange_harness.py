@@ -110,8 +110,6 @@ def test_each_shard_has_its_own_rounds_between_the_sites(tiers):
     (("--optimizers", "diloco"), "--exchange: diloco cannot keep a message"),            # its fp32 sync: all_reduce
     (("--optimizers", "demo", "--exchange", "http://example.invalid/x"), "--exchange must be a file:///folder"),
     (("--optimizers", "demo", "--round-timeout", "0"), "--round-timeout must be > 0"),
-    (("--optimizers", "demo", "--sites", "2", "--workers", "4", "--snapshot-every", "2"),
-     "--join and --snapshot-every with --sites are not supported yet"),
 ])
 def test_what_the_store_cannot_run_is_refused_before_any_worker_starts(extra, message, tmp_path, capsys):
     argv = ["compare", "--preset", "tiny", "--exchange", tmp_path.as_uri(), *extra]

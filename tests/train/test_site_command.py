@@ -121,8 +121,6 @@ def test_sites_sharded_by_fsdp2_end_with_the_parameters_of_one_two_tier_gloo_run
     ((), {"THINWIRE_EXCHANGE_KEY": "not hex"}, "THINWIRE_EXCHANGE_KEY: the signing key must be hex"),
     ((), {"THINWIRE_EXCHANGE_KEY": "abcd"}, "at least 16 bytes"),
     (("--sites", "3"), {"THINWIRE_EXCHANGE_KEY": "ab" * 32}, "--sites with --site counts the run's sites: give --sites 2"),
-    (("--sites", "2", "--snapshot-every", "2"), {"THINWIRE_EXCHANGE_KEY": "ab" * 32},
-     "--join and --snapshot-every with --sites are not supported yet"),
     (("--optimizer", "adamw"), {"THINWIRE_EXCHANGE_KEY": "ab" * 32}, "adamw is a torch.distributed baseline"),
     (("--checkpoint-every", "2"), {"THINWIRE_EXCHANGE_KEY": "ab" * 32}, "--checkpoint-every with --site"),
 ])

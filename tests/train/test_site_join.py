@@ -1,13 +1,20 @@
 """--snapshot-every and --join: what they refuse before any worker starts, and a joiner
-starting from the snapshot live sites wrote (sites as processes sharing only a folder)."""
+starting from the snapshot live sites wrote (sites as processes sharing only a folder; and
+as `thinwire train` commands whose workers FSDP2 shards, each shard its own snapshots)."""
 
 from __future__ import annotations
+
+import json
+import secrets
+import sys
+import time
 
 import pytest
 import torch
 
 import thinwire
 from tests.store.train_sites import run_processes
+from tests.train.shared import start, train_env, wait
 from thinwire.train.config import RunOptions
 from thinwire.train.site_join import check_join, join, publish
 
@@ -100,3 +107,36 @@ def test_a_joiners_log_times_its_target_from_its_first_step():
     times = cumulative_times(steps, 0.0)
     assert time_to_target(evals, times, 2.5, first_step=4)["measured"] == 3.0     # steps 4, 5 and 6
     assert time_to_target(evals, times, 3.5, first_step=4)["measured"] == 1.0
+
+
+SHARDED = ("train", "--preset", "tiny", "--optimizer", "demo", "--workers", "2", "--sites", "3", "--steps", "10",
+           "--eval-every", "10", "--eval-rows", "16", "--no-adamw-probe", "--peers", "a,b,c", "--snapshot-every", "2",
+           "--join-timeout", "3", "--round-timeout", "5", "--quiet")
+
+
+def _digests(out) -> tuple[list[dict], dict[int, str]]:
+    records = [json.loads(line) for line in (out / "demo.jsonl").read_text().splitlines()]
+    return records, {r["step"]: r["params_sha256"] for r in records if r["kind"] == "step"}
+
+
+def test_a_site_sharded_by_fsdp2_joins_from_its_shards_snapshots(tmp_path):
+    """Sites a and b (2 workers each, FSDP2 inside, paced at 1.2 s a step) write each shard's
+    snapshot every 2 rounds; c starts once the first is there and joins: its log starts with the
+    join, and from then on every step ends with the parameters a and b have after it."""
+    store, env = tmp_path / "store", train_env(THINWIRE_EXCHANGE_KEY=secrets.token_hex(32), THINWIRE_STEP_SLEEP="1.2",
+                                               THINWIRE_STEP_DIGEST="1")
+    argv = [sys.executable, "-m", "thinwire", *SHARDED, "--exchange", store.as_uri()]
+    live = [start([*argv, "--site", s, "--out", str(tmp_path / s)], env=env) for s in ("a", "b")]
+    deadline = time.monotonic() + 120
+    while not any(store.glob("run-*/demo/shard-*/snapshots/*")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    joiner = start([*argv, "--site", "c", "--join", "--out", str(tmp_path / "c")], env=env)
+    for proc in (*live, joiner):
+        done = wait(proc, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:]
+    (a_log, a), (_, b), (c_log, c) = (_digests(tmp_path / s) for s in ("a", "b", "c"))
+    joined = c_log[0]
+    assert joined["kind"] == "join" and joined["round"] % 2 == 0 and 2 <= joined["step"] < 10
+    assert sorted(c) == list(range(joined["step"] + 1, 11)) and a == b
+    assert all(c[step] == a[step] for step in c)
+    assert c_log[-1]["params_sha256"] == a_log[-1]["params_sha256"]

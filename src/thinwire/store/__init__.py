@@ -52,10 +52,10 @@ from .manifest import Manifest, newest_closed_round
 from .liveness import Liveness
 from .rounds import ExchangeError, RoundExchange, RoundResult
 from .communicator import StoreCommunicator, StoreGroup
-from .snapshots import joiner_state, latest_snapshot, publish_snapshot
+from .snapshots import joiner_state, latest_snapshot, load_local, local_tensors, publish_snapshot
 from .urls import open_location
 
 __all__ = ["REASONS", "ExchangeError", "FileLocation", "Liveness", "Location", "LocationError", "Manifest",
            "RejectedMessage", "RoundExchange", "RoundResult", "SignedMessage", "StoreCommunicator", "StoreGroup",
-           "StoreTraffic", "joiner_state", "latest_snapshot", "newest_closed_round", "open_envelope",
-           "open_location", "publish_snapshot", "run_fingerprint", "seal"]
+           "StoreTraffic", "joiner_state", "latest_snapshot", "load_local", "local_tensors", "newest_closed_round",
+           "open_envelope", "open_location", "publish_snapshot", "run_fingerprint", "seal"]

@@ -96,7 +96,8 @@ def publish_snapshot(group, model: torch.nn.Module, optimizer, every: int, extra
     round = group.next_round - 1
     if round < 1 or round % every or group.snapshot_round == round:
         return None
-    state = {"round": round, "model": model.state_dict(), "optimizer": joiner_state(optimizer), "extra": extra or {}}
+    state = {"round": round, "model": local_tensors(model.state_dict()), "optimizer": local_tensors(joiner_state(optimizer)),
+             "extra": extra or {}}
     buffer = io.BytesIO()
     torch.save(state, buffer)
     rounds = group.rounds
@@ -105,17 +106,50 @@ def publish_snapshot(group, model: torch.nn.Module, optimizer, every: int, extra
     return round
 
 
+def local_tensors(value):
+    """`value` (a state_dict: dicts, lists, tuples) with every FSDP2 DTensor replaced by this
+    rank's shard of it: what a snapshot holds, one object per shard, loadable with
+    `weights_only=True` and into the same shard of a site sharded alike (`load_local`)."""
+    if hasattr(value, "to_local"):
+        return value.to_local()
+    if isinstance(value, dict):
+        return {k: local_tensors(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(local_tensors(v) for v in value)
+    return value
+
+
+def load_local(model: torch.nn.Module, saved: dict) -> None:
+    """Copy a snapshot's 'model' into `model` in place: each tensor of its state_dict (an FSDP2
+    DTensor: this rank's shard) from the saved tensor of the same name and shape. KeyError or
+    ValueError naming the tensor when the snapshot is another model's or another sharding's."""
+    mine = model.state_dict()
+    if set(mine) != set(saved):
+        raise KeyError(f"the snapshot's tensors are not this model's: missing {sorted(set(mine) - set(saved))[:3]}, "
+                       f"unexpected {sorted(set(saved) - set(mine))[:3]}")
+    with torch.no_grad():
+        for name, tensor in mine.items():
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            if local.shape != saved[name].shape:
+                raise ValueError(f"snapshot: {name} is {list(saved[name].shape)} there, {list(local.shape)} here "
+                                 "(another sharding of the site?)")
+            local.copy_(saved[name])
+
+
 def latest_snapshot(location: str | Location, key: str | bytes, fingerprint: str | bytes, *,
-                    options: dict | None = None) -> tuple[int, dict] | None:
+                    options: dict | None = None, at_most: int | None = None) -> tuple[int, dict] | None:
     """(round, state) of the newest snapshot in `location` that verifies as this run's (key,
-    fingerprint as `RoundExchange` takes them), None when there is none. A snapshot that
-    does not verify is logged and passed over for the one before it."""
+    fingerprint as `RoundExchange` takes them), None when there is none; with `at_most`, the
+    newest of a round <= at_most (the ranks of a sharded site agree on one round). A snapshot
+    that does not verify is logged and passed over for the one before it."""
     if not isinstance(location, Location):
         location = open_location(location, **(options or {}))
     raw = isinstance(fingerprint, bytes) and len(fingerprint) == FINGERPRINT_NBYTES
     fingerprint = fingerprint if raw else run_fingerprint(fingerprint)
     for name in sorted(location.list(FOLDER), reverse=True):
         round = int(name.rsplit("/", 1)[1])
+        if at_most is not None and round > at_most:
+            continue
         blob = location.get(name)
         try:
             message = open_envelope(blob or b"", key=key, fingerprint=fingerprint, round=round)

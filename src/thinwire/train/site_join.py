@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import time
 
+import torch
+import torch.distributed as dist
+
 from .config import RunOptions
 
 SNAPSHOT_WAIT_S = 0.5               # between looks for a first snapshot, while the live sites make one
@@ -42,28 +45,48 @@ def check_join(opts: RunOptions, optimizers: list[str]) -> None:
                              "between steps, and a snapshot is taken between steps with none in flight")
 
 
-def publish(opts: RunOptions, group, model, optimizer, sched, step: int, rank: int) -> None:
-    """The snapshot after `step` when its round is due (one worker per site writes)."""
-    if group is None or not opts.snapshot_every or rank != 0:
+def publish(opts: RunOptions, group, model, optimizer, sched, step: int, rank: int, sharded: bool = False) -> None:
+    """The snapshot after `step` when its round is due: one worker per site writes, or with
+    `sharded` (FSDP2 inside the site) every worker, its shard's, in its shard's rounds."""
+    if group is None or not opts.snapshot_every or (rank != 0 and not sharded):
         return
     from ..store.snapshots import publish_snapshot
     publish_snapshot(group, model, optimizer, opts.snapshot_every,
                      extra={"step": step, "scheduler": sched.state_dict()})
 
 
-def join(opts: RunOptions, group, model, optimizer, sched, timeout_s: float) -> dict:
+def join(opts: RunOptions, group, model, optimizer, sched, timeout_s: float, shard_group=None) -> dict:
     """Load the store's newest snapshot into this worker and move its rounds after it; the
-    "join" record (round, step). Waits up to `timeout_s` for a first snapshot to appear."""
-    from ..store.snapshots import latest_snapshot
+    "join" record (round, step). Waits up to `timeout_s` for a first snapshot to appear. With
+    `shard_group` (FSDP2 inside the site) each worker loads its shard's snapshot, of the newest
+    round every shard of the site has (an all-reduce MIN inside the site)."""
+    from ..store.snapshots import latest_snapshot, load_local
     rounds, deadline = group.rounds, time.monotonic() + timeout_s
     while (found := latest_snapshot(rounds.location, rounds.key, rounds.fingerprint)) is None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"--join: no snapshot of this run in {opts.exchange} after {timeout_s:g} s; the "
                                "live sites write them with --snapshot-every ROUNDS")
         time.sleep(SNAPSHOT_WAIT_S)
+    if shard_group is not None:
+        agreed = _site_min(found[0], shard_group)
+        if agreed != found[0]:
+            found = latest_snapshot(rounds.location, rounds.key, rounds.fingerprint, at_most=agreed)
+        mine = -1 if found is None else found[0]
+        if _site_min(mine, shard_group) != -_site_min(-mine, shard_group):      # every rank decides alike
+            raise RuntimeError(f"--join: the shards of this site found no snapshot of one round (round {agreed} "
+                               "is missing or does not verify for some shard)")
+        if found is None:
+            raise RuntimeError(f"--join: no shard of this site has a snapshot of round {agreed} or before that verifies")
     round, state = found
-    model.load_state_dict(state["model"])
+    load_local(model, state["model"])
     optimizer.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["extra"]["scheduler"])
     group.next_round = round + 1
     return {"kind": "join", "round": round, "step": int(state["extra"]["step"])}
+
+
+def _site_min(value: int, shard_group) -> int:
+    """The least of `value` over the ranks of this site (an all-reduce inside it)."""
+    found = torch.tensor([value])
+    dist.all_reduce(found, op=dist.ReduceOp.MIN, group=shard_group)
+    return int(found.item())

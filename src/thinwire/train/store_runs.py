@@ -40,9 +40,6 @@ def check_exchange(cfg: TrainConfig, optimizers: list[str], opts: RunOptions) ->
         return
     if not opts.round_timeout > 0:
         raise ValueError(f"--round-timeout must be > 0 seconds, got {opts.round_timeout}")
-    if cfg.sites and (opts.join or opts.snapshot_every):
-        raise ValueError("--join and --snapshot-every with --sites are not supported yet: a site sharded by FSDP2 "
-                         "would need its snapshot written shard by shard (DCP)")
     from urllib.parse import urlparse
     if urlparse(opts.exchange).scheme not in ("file", "s3"):
         raise ValueError(f"--exchange must be a file:///folder or s3://bucket/prefix URL, got {opts.exchange!r}")

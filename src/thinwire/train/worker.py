@@ -198,9 +198,12 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
     if resume is not None:
         done, inter_steps, resumed = resume_from(resume, meta, model, built, sched, rank, world, optimizer)
         step = done
-    joined = join(options, group, model, built.optimizer, sched, JOIN_WAIT_S) if options.join else None
+    joined = join(options, group, model, built.optimizer, sched, JOIN_WAIT_S, shard_group) if options.join else None
     if joined is not None:
         done = step = joined["step"]
+        if done >= cfg.steps:
+            raise RuntimeError(f"--join: the newest snapshot is at step {done}, the run's last (--steps {cfg.steps}): "
+                               "nothing is left to train")
     log = _open_log(log_path, done) if rank == 0 else None
     _write(log, joined)
     bar = Progress(optimizer, cfg.steps, enabled=(rank == 0 and not options.quiet))
@@ -237,7 +240,7 @@ def train_worker(rank: int, world: int, cfg, optimizer: str, lr: float, log_path
             if checkpoint_dir and ((checkpoint_every and step % checkpoint_every == 0) or step == cfg.steps):
                 save(checkpoint_dir, step, model, built, sched, meta, rank, extra={"inter_steps": inter_steps},
                      before_write=die_in_save(rank, step))
-            publish(options, group, model, built.optimizer, sched, step, rank)
+            publish(options, group, model, built.optimizer, sched, step, rank, sharded=shard_group is not None)
             pace()
         after = _probes(built, adamw, batches)
         probes = {name: calibrate(before[name], after[name]) for name in before}
