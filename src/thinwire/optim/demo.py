@@ -54,15 +54,16 @@ import torch
 from ..compress import ChunkedTopK, Payload
 from ..compress.topk import raise_malformed
 from ..wire import checks
-from . import demo_groups
+from . import demo_groups, demo_landing, demo_tensor
 from .base import CommunicatingOptimizer, Member
 from .demo_groups import Groups
 from .demo_rules import (BASES, DOMAINS, LOOKAHEADS, MOMENTUM_FORMS, check_group, check_momentum, apply_base,  # noqa: F401
                          gradient_weight, momentum_in_transform, step_param)
-from .demo_slots import KeptSlots, Slot, fold_sent_back
+from .demo_slots import KeptSlots, Slot
+from .demo_tensor import fold_sent_back
 from .elastic_rules import PER_RANK
 from .exchange import GatherAll
-from .median_clip import check_clip, clip_chunks, clip_reads
+from .median_clip import check_clip
 
 
 
@@ -230,56 +231,10 @@ class DeMo(CommunicatingOptimizer):
         for g in groups.groups:
             demo_groups.encode(g, slots, step, exchange.payload, scratch, gradient_weight(g.hyper), ahead,
                                self.gradients_nonfinite)
+        aheads = self._ahead if ahead else None
         for i in groups.rest:
-            self._encode_slot(step, slots[i], exchange.payload, scratch)
+            demo_tensor.encode_slot(self.state, step, slots[i], exchange.payload, scratch, aheads)
         self._ahead_step = step
-
-    def _encode_slot(self, step: int, slot: Slot, payload: torch.Tensor, scratch) -> None:
-        """`_encode` for one parameter on the per-tensor path (the reference the groups are tested against)."""
-        group, p, comp, offset, n, key = slot
-        a, b = scratch
-        m, plan, out = self.state[key]["momentum"], comp.plan(p.shape), payload[offset: offset + n]
-        beta, weight = group["beta"], gradient_weight(group)
-        if momentum_in_transform(group):                # T is linear: T(βM + wg) = βT(M) + wT(g)
-            if p.grad is None:
-                m.mul_(beta)
-            else:                                       # one batched GEMM does the decay and the add
-                comp.transform.forward_image(plan.transform_input(p.grad, a), plan, step, out=m, scratch=b,
-                                             beta=beta, alpha=weight)
-            sent = comp.select(m, p.shape, scratch=a)
-        else:
-            m.mul_(beta)                                # M ← βM + w·g
-            if p.grad is not None:
-                m.add_(p.grad, alpha=weight)
-            image = comp.transform.forward_image(plan.transform_input(m, a), plan, step, out=plan.matrix_in(a),
-                                                 scratch=b)
-            sent = comp.select(image, p.shape, scratch=b)
-        values = comp.write(sent, p.shape, out=out).parts["values"]
-        if self.lookahead_form == "momentum":
-            self._keep_ahead(key, m)
-        own = (sent[0], comp.codec.decode(values, *sent[1].shape))    # Q̂_i: the values as the wire has them
-        self._subtract_sent(step, group, p, comp, m, own, -group["alpha"], scratch)
-
-    def _keep_ahead(self, key: torch.Tensor, m: torch.Tensor) -> None:
-        """lookahead='momentum': M_i before the subtraction, copied while encoding where it is at
-        hand (the sent part need not be read back and re-added later); its inverse transform
-        waits for `_estimate`, after the message has left."""
-        ahead = self._ahead.get(key)
-        if ahead is None or ahead.shape != m.shape or ahead.device != m.device:
-            ahead = self._ahead[key] = torch.empty(m.shape, device=m.device)   # float32, like Δ
-        ahead.copy_(m)
-
-    def _subtract_sent(self, step: int, group: dict, p, comp: ChunkedTopK, m: torch.Tensor, own: tuple,
-                       alpha: float, scratch: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """M ← M + alpha·T⁻¹(Q̂_i), Q̂_i = `own`: (indices, values) of this rank's message."""
-        if momentum_in_transform(group):                    # sparse: no transform needed
-            comp.scatter(m, own, p.shape, alpha=alpha)
-            plan = comp.plan(p.shape)
-            if plan.padded:                   # what the message puts in the padding is dropped, as the param domain crops it
-                comp.transform.zero_padding_(m, plan, step)
-        else:
-            a, b = scratch
-            m.add_(comp.aggregate([own], p.shape, step, out=a, scratch=b), alpha=alpha)
 
     def _discard(self, step: int, layout: list[Member], exchange: GatherAll) -> None:
         """A flagged step: what this rank sent goes back into M (M ← M + α·T⁻¹(Q̂_i)), to be sent later."""
@@ -288,7 +243,7 @@ class DeMo(CommunicatingOptimizer):
         for group, p, comp, offset, n, key in slots:
             own = comp.read(Payload.from_buffer(exchange.payload[offset: offset + n], comp.payload_spec(p.shape)),
                             p.shape)
-            self._subtract_sent(step, group, p, comp, self.state[key]["momentum"], own, group["alpha"], scratch)
+            demo_tensor.subtract_sent(step, group, p, comp, self.state[key]["momentum"], own, group["alpha"], scratch)
 
     def _keep_own(self, step: int, layout: list[Member], exchange: GatherAll) -> None:
         """This rank's message missed the store round: M ← M + α·T⁻¹(Q̂_i), as for a flagged step
@@ -361,21 +316,8 @@ class DeMo(CommunicatingOptimizer):
         self._update(step, slots, gathered, [True] * len(layout), decoded, skip)
 
     def _decode(self, slots: list[Slot], gathered: torch.Tensor, present: list) -> tuple:
-        """The payload rows of `gathered` [ranks, payload bytes] decoded: (per group (positions,
-        values), per per-tensor parameter its ranks' reads, the device flags of malformed payloads)."""
-        groups, world = self._grouping(slots), gathered.shape[0]
-        flat = gathered.reshape(-1) if groups.groups else None          # [W · nbytes]: a copy if strided
-        decoded = [g.chunks.received(flat, world) for g in groups.groups]
-        reads, flags = {}, [f for _, _, fs in decoded for f in fs]
-        for i in groups.rest:
-            group, p, comp, offset, n, key = slots[i]
-            if present[i]:
-                spec = comp.payload_spec(p.shape)
-                got = [comp.read_flagged(Payload.from_buffer(gathered[r, offset: offset + n], spec), p.shape)
-                       for r in range(world)]                               # rank order
-                reads[i] = [read for read, _ in got]
-                flags += [f for _, fs in got for f in fs]
-        return [(positions, values) for positions, values, _ in decoded], reads, flags
+        """`demo_landing.decode` of the payload rows of `gathered` [ranks, payload bytes]."""
+        return demo_landing.decode(self._grouping(slots), slots, gathered, present)
 
     def _update(self, step: int, slots: list[Slot], gathered: torch.Tensor, present: list,
                 decoded: tuple | None = None, skip: torch.Tensor | None = None) -> None:
@@ -386,17 +328,5 @@ class DeMo(CommunicatingOptimizer):
         if decoded is None:
             decoded = self._decode(slots, gathered, present)
             raise_malformed(checks.any_of(decoded[2]), f" at step {step}")
-        groups = self._grouping(slots)
-        received, reads, flags = decoded
-        self.arrival_status = checks.any_of(flags)
-        a, b = self._scratch(slots)
-        for g, (positions, values) in zip(groups.groups, received):
-            if self.clip and values.shape[0] > 1:           # each sender's tensors to the median norm (1 row: × 1)
-                values = clip_chunks(values, g.chunk_tensor, g.chunk_counts)
-            delta = demo_groups.aggregate(g, positions, values, out=a, counts=b)
-            g.chunks.comp.transform.inverse_image(delta, g.chunks.plan, step, scratch=b)
-            demo_groups.step_params(g, slots, delta, present, skip)
-        for i, read in reads.items():                       # none under `skip` (`_applies_masked`)
-            group, p, comp, _, _, key = slots[i]
-            read = clip_reads(read) if self.clip and len(read) > 1 else read
-            step_param(p, comp.aggregate(read, p.shape, step, group["aggregate"], out=a, scratch=b), group, key)
+        self.arrival_status = checks.any_of(decoded[2])
+        demo_landing.land(self._grouping(slots), slots, decoded, self._scratch(slots), step, self.clip, present, skip)

@@ -13,11 +13,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..compress import ChunkedTopK, Payload
-from .elastic_rules import check_torch_states, layout_ids
+from ..compress import ChunkedTopK
 from .member import Member
 from .flat import spans
-from .protocol import prefix_nbytes
 
 WIRE_KEYS = ("topk", "chunk", "transform", "values", "seed", "aggregate", "base", "momentum_domain", "momentum_form")
 
@@ -61,19 +59,3 @@ class KeptSlots:
                 lines.append(f"{tuple(p.shape)} {p.dtype} {wire} @{offset}+{n}")
             self._described = (slots, key, "\n".join(lines))
         return self._described[2]
-
-
-def fold_sent_back(opt, state: dict, record: dict) -> dict:
-    """An elastic resume's fold of DeMo's step in flight (`ElasticRule._elastic_fold`): what this
-    rank sent returns to its momentum, M ← M + α T⁻¹(Q̂_i), as for a flagged step."""
-    check_torch_states(opt, [state])
-    layout = opt.layout()
-    slots = opt._slots(layout)
-    payload, scratch = record["message"][0][prefix_nbytes(len(layout)):], opt._scratch(slots)
-    per_param = {pid: dict(s) for pid, s in state["state"].items()}
-    for (group, p, comp, offset, n, _), pid in zip(slots, layout_ids(opt)):
-        own = comp.read(Payload.from_buffer(payload[offset: offset + n], comp.payload_spec(p.shape)), p.shape)
-        m = per_param[pid]["momentum"].clone()
-        opt._subtract_sent(record["step"], group, p, comp, m, own, group["alpha"], scratch)
-        per_param[pid]["momentum"] = m
-    return {**state, "state": per_param}
