@@ -55,9 +55,8 @@ from contextlib import contextmanager
 
 import torch
 
-from ..comm import CommStats
+from ..comm import Communicator, CommStats
 from ..compress.topk import MALFORMED
-from ..store.communicator import communicator_for
 from .checkpoints import EnvelopeCheckpoints, InFlight
 from .elastic_rules import ElasticRule
 from .hooks import AlgorithmHooks
@@ -93,6 +92,23 @@ def flatten_grads(params, buffer: torch.Tensor, narrow=None) -> torch.Tensor:
         offset += p.numel()
     return buffer
 
+
+def communicator_for(optimizer, process_group):
+    """A Communicator over a torch.distributed group (None: the default one), or the exchange
+    a group brings itself (`process_group.communicator()`: a `thinwire.store.StoreGroup`'s
+    rounds) for an optimizer that can keep a message that missed its round (`STORE_EXCHANGE`).
+    Known by that method, so this floor imports nothing of the store's, which sits above it."""
+    make = getattr(process_group, "communicator", None)
+    if make is None:
+        return Communicator(process_group)
+    if not optimizer.STORE_EXCHANGE:
+        raise ValueError(
+            f"{type(optimizer).__name__} cannot exchange through the store: a store round may leave a late "
+            "site's message out, and only an optimizer whose every exchange is one all_gather and whose "
+            "error feedback keeps the message that missed (DeMo, SparseLoCo, DiLoCo with wire='bf16' or "
+            "'int8') can promise to lose nothing; "
+            "use a torch.distributed process group (docs/design.md, 'The store exchange')")
+    return make()
 
 class CommunicatingOptimizer(AlgorithmHooks, ElasticRule, OverlapSteps, EnvelopeCheckpoints, torch.optim.Optimizer):
     """A torch optimizer that talks to its peers through `self.comm`, inside the envelope above.

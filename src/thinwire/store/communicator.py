@@ -101,21 +101,6 @@ class StoreGroup:
         return StoreCommunicator(self)
 
 
-def communicator_for(optimizer, process_group):
-    """A Communicator over a torch.distributed group, or the store exchange's over a
-    `StoreGroup` for an optimizer that can keep a message that missed its round."""
-    if not isinstance(process_group, StoreGroup):
-        return Communicator(process_group)
-    if not optimizer.STORE_EXCHANGE:
-        raise ValueError(
-            f"{type(optimizer).__name__} cannot exchange through the store: a store round may leave a late "
-            "site's message out, and only an optimizer whose every exchange is one all_gather and whose "
-            "error feedback keeps the message that missed (DeMo, SparseLoCo, DiLoCo with wire='bf16' or "
-            "'int8') can promise to lose nothing; "
-            "use a torch.distributed process group (docs/design.md, 'The store exchange')")
-    return process_group.communicator()
-
-
 class RoundPending:
     """One round in flight; `wait()` returns the [world, nbytes] rows, and sets `absent`: the
     ranks whose message the manifest does not hold (their rows are left as they were).
