@@ -165,9 +165,10 @@ def test_sites_that_do_not_run_the_same_thing_are_refused_at_every_site_before_a
     assert "site(s) c did not agree" in capsys.readouterr().err
 
 
-def test_a_site_under_torchrun_is_refused(monkeypatch, tmp_path):
+def test_a_site_under_torchrun_without_a_store_is_refused(monkeypatch, tmp_path):
+    """Under torchrun a --site is checked as the local launcher checks it (test_torchrun_sites.py runs one)."""
     from thinwire.train.cli import torchrun_main
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    with pytest.raises(SystemExit, match="not torchrun"):
+    with pytest.raises(SystemExit, match="--site runs one site of a run whose sites share only a store"):
         torchrun_main(["--preset", "tiny", "--site", "a", "--peers", "a,b"])

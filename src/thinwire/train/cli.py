@@ -211,9 +211,12 @@ def torchrun_main(argv=None) -> None:
     if args.link:
         raise SystemExit("thinwire: error: --link emulates links between local workers; under torchrun "
                          "the links are real (use `thinwire train --link ...` without torchrun)")
-    if args.exchange or args.site:  # every rank would need the one signing key `compare` draws
-        raise SystemExit("thinwire: error: --exchange runs under thinwire's own launcher for now, not torchrun "
-                         "(use `thinwire train --exchange ...`)")
+    if args.exchange or args.site:
+        from .site_run import torchrun_site
+        try:                                    # this torchrun world is one site of a store run
+            opts = torchrun_site(cfg, args.optimizer, opts, int(os.environ["WORLD_SIZE"]))
+        except ValueError as err:
+            raise SystemExit(f"thinwire: error: {err}") from None
     if cfg.sites:
         from .config import check_sites
         world, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", 0))
@@ -237,6 +240,12 @@ def torchrun_main(argv=None) -> None:
         raise SystemExit(f"thinwire: error: {err}") from None
     lr = learning_rate(cfg, args.optimizer)
     _torchrun_check_checkpoint(args, cfg, lr)
+    if opts.site:                               # every rank agrees (one record, written once): no rank waits on another
+        from .site_agree import agree
+        try:
+            agree(cfg, {args.optimizer: lr}, opts, int(os.environ["WORLD_SIZE"]), timeout=opts.join_timeout)
+        except ValueError as err:
+            raise SystemExit(f"thinwire: error: {err}") from None
     rank, world = init_from_env(opts.peer_timeout)
     try:
         log = os.path.join(args.out, f"{args.optimizer}.jsonl") if args.out else None
@@ -253,7 +262,9 @@ def torchrun_main(argv=None) -> None:
             from .run import DEFAULT_LATENCY_S, report
             logs = {args.optimizer: {**read_log(log), "lr": lr}}
             latency = DEFAULT_LATENCY_S if opts.latency_s is None else opts.latency_s
-            report(cfg, logs, world, Path(args.out), latency, opts.target, dense_steps=opts.dense_steps)
+            from .site_run import run_world, site_summary
+            report(cfg, logs, run_world(opts, world), Path(args.out), latency, opts.target,
+                   dense_steps=opts.dense_steps, site=site_summary(opts, world))
     finally:
         dist.destroy_process_group()
     exit_process(0)                             # not finalizing: see launch.exit_process
