@@ -47,7 +47,7 @@ def _load_on_new_layout(rank: int, world: int, path: str, name: str) -> dict:
     from thinwire.train.worker import lr_factor
     cfg = get_preset("tiny", steps=STEPS, eval_every=2, eval_rows=16, workers=world, sites=world // P, sync_every=3)
     spec = get_optimizer(name)
-    model, built, _ = setup(Tiers.of(cfg, world), build_model(cfg), spec, cfg, spec.lr_for("tiny"),
+    model, built, _, _ = setup(Tiers.of(cfg, world), build_model(cfg), spec, cfg, spec.lr_for("tiny"),
                             torch.device("cpu"))
     sched = torch.optim.lr_scheduler.LambdaLR(built.optimizer, lambda s: lr_factor(s, cfg))
     step = load(path, model, built, sched, rank)
