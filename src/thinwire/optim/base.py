@@ -110,6 +110,7 @@ def communicator_for(optimizer, process_group):
             "use a torch.distributed process group (docs/design.md, 'The store exchange')")
     return make()
 
+
 class CommunicatingOptimizer(AlgorithmHooks, ElasticRule, OverlapSteps, EnvelopeCheckpoints, torch.optim.Optimizer):
     """A torch optimizer that talks to its peers through `self.comm`, inside the envelope above.
 

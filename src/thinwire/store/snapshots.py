@@ -36,6 +36,7 @@ import torch
 
 from ..optim.checkpoints import INFLIGHT_KEY, STATS_KEY
 from ..optim.elastic_rules import PER_RANK, REPLICATED
+from ..optim.shards import is_dtensor
 from .envelope import FINGERPRINT_NBYTES, RejectedMessage, open_envelope, run_fingerprint
 from .locations import Location
 from .manifest import round_folder
@@ -96,8 +97,8 @@ def publish_snapshot(group, model: torch.nn.Module, optimizer, every: int, extra
     round = group.next_round - 1
     if round < 1 or round % every or group.snapshot_round == round:
         return None
-    state = {"round": round, "model": local_tensors(model.state_dict()), "optimizer": local_tensors(joiner_state(optimizer)),
-             "extra": extra or {}}
+    state = {"round": round, "model": local_tensors(model.state_dict()),
+             "optimizer": local_tensors(joiner_state(optimizer)), "extra": extra or {}}
     buffer = io.BytesIO()
     torch.save(state, buffer)
     rounds = group.rounds
@@ -110,7 +111,7 @@ def local_tensors(value):
     """`value` (a state_dict: dicts, lists, tuples) with every FSDP2 DTensor replaced by this
     rank's shard of it: what a snapshot holds, one object per shard, loadable with
     `weights_only=True` and into the same shard of a site sharded alike (`load_local`)."""
-    if hasattr(value, "to_local"):
+    if is_dtensor(value):
         return value.to_local()
     if isinstance(value, dict):
         return {k: local_tensors(v) for k, v in value.items()}
@@ -129,7 +130,7 @@ def load_local(model: torch.nn.Module, saved: dict) -> None:
                        f"unexpected {sorted(set(saved) - set(mine))[:3]}")
     with torch.no_grad():
         for name, tensor in mine.items():
-            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            local = tensor.to_local() if is_dtensor(tensor) else tensor
             if local.shape != saved[name].shape:
                 raise ValueError(f"snapshot: {name} is {list(saved[name].shape)} there, {list(local.shape)} here "
                                  "(another sharding of the site?)")

@@ -212,7 +212,7 @@ def torchrun_main(argv=None) -> None:
         raise SystemExit("thinwire: error: --link emulates links between local workers; under torchrun "
                          "the links are real (use `thinwire train --link ...` without torchrun)")
     if args.exchange or args.site:
-        from .site_run import torchrun_site
+        from .store_runs import torchrun_site
         try:                                    # this torchrun world is one site of a store run
             opts = torchrun_site(cfg, args.optimizer, opts, int(os.environ["WORLD_SIZE"]))
         except ValueError as err:

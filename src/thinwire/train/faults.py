@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from ..optim.shards import is_dtensor
+
 
 def fault(rank: int, step: int) -> str | None:
     """Fault injection for tests: THINWIRE_DIE_AT="rank:step[:how]" names that rank's fault at
@@ -78,7 +80,7 @@ def params_digest(model) -> str:
     have the same digest exactly when they are bit-identical."""
     digest = hashlib.sha256()
     for p in model.parameters():
-        p = p.full_tensor() if hasattr(p, "full_tensor") else p     # an FSDP2 shard: the whole tensor (a collective)
+        p = p.full_tensor() if is_dtensor(p) else p                 # an FSDP2 shard: the whole tensor (a collective)
         digest.update(p.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 

@@ -68,11 +68,12 @@ def join(opts: RunOptions, group, model, optimizer, sched, timeout_s: float, sha
                                "live sites write them with --snapshot-every ROUNDS")
         time.sleep(SNAPSHOT_WAIT_S)
     if shard_group is not None:
-        agreed = _site_min(found[0], shard_group)
+        agreed, = site_reduce([found[0]], dist.ReduceOp.MIN, shard_group)
         if agreed != found[0]:
             found = latest_snapshot(rounds.location, rounds.key, rounds.fingerprint, at_most=agreed)
         mine = -1 if found is None else found[0]
-        if _site_min(mine, shard_group) != -_site_min(-mine, shard_group):      # every rank decides alike
+        least, minus_most = site_reduce([mine, -mine], dist.ReduceOp.MIN, shard_group)
+        if least != -minus_most:                                                # every rank decides alike
             raise RuntimeError(f"--join: the shards of this site found no snapshot of one round (round {agreed} "
                                "is missing or does not verify for some shard)")
         if found is None:
@@ -85,8 +86,9 @@ def join(opts: RunOptions, group, model, optimizer, sched, timeout_s: float, sha
     return {"kind": "join", "round": round, "step": int(state["extra"]["step"])}
 
 
-def _site_min(value: int, shard_group) -> int:
-    """The least of `value` over the ranks of this site (an all-reduce inside it)."""
-    found = torch.tensor([value])
-    dist.all_reduce(found, op=dist.ReduceOp.MIN, group=shard_group)
-    return int(found.item())
+def site_reduce(values: list[int], op, shard_group) -> list[int]:
+    """`values` reduced elementwise by `op` (a `dist.ReduceOp`) over the ranks of this site: one
+    all-reduce inside it, for what FSDP2's ranks of a site must decide alike."""
+    reduced = torch.tensor(values)
+    dist.all_reduce(reduced, op=op, group=shard_group)
+    return reduced.tolist()

@@ -120,23 +120,6 @@ def check_site(opts: RunOptions, workers: int, sites: int = 0) -> None:
                          "rejoin the store's rounds where it left them")
 
 
-def torchrun_site(cfg, optimizer: str, opts: RunOptions, world: int) -> RunOptions:
-    """Under torchrun, --exchange: the torchrun world is one site's workers (--site NAME --peers
-    A,B,...; its nodes reach each other, the sites only the store), checked as the local
-    launcher checks it, with the key every rank reads alike (THINWIRE_EXCHANGE_KEY or
-    --exchange-key-file: ranks cannot share one drawn here). ValueError when it cannot run."""
-    from .site_join import check_join
-    from .store_runs import check_exchange
-    if not opts.site:
-        raise ValueError("--exchange under torchrun runs one site of a store run: give --site NAME and --peers "
-                         "A,B,... (the torchrun world is that site's workers)")
-    check_site(opts, world, cfg.sites)
-    opts = read_key(opts)
-    check_exchange(cfg, [optimizer], opts)
-    check_join(opts, [optimizer])
-    return site_options(opts)
-
-
 def site_options(opts: RunOptions) -> RunOptions:
     """What a site run changes in its options: no checkpoints (a site resumed alone would not
     rejoin the rounds where it left them), and gloo on the loopback interface unless told

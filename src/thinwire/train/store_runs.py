@@ -22,7 +22,8 @@ from dataclasses import replace
 
 from .config import RunOptions, TrainConfig
 from .optimizers import get_optimizer
-from .site_run import participant, participants, read_key
+from .site_join import check_join
+from .site_run import check_site, participant, participants, read_key, site_options
 
 
 def with_key(opts: RunOptions) -> RunOptions:
@@ -32,6 +33,21 @@ def with_key(opts: RunOptions) -> RunOptions:
     if not opts.exchange or opts.exchange_key:
         return opts
     return replace(opts, exchange_key=secrets.token_hex(32))
+
+
+def torchrun_site(cfg, optimizer: str, opts: RunOptions, world: int) -> RunOptions:
+    """Under torchrun, --exchange: the torchrun world is one site's workers (--site NAME --peers
+    A,B,...; its nodes reach each other, the sites only the store), checked as the local
+    launcher checks it, with the key every rank reads alike (THINWIRE_EXCHANGE_KEY or
+    --exchange-key-file: ranks cannot share one drawn here). ValueError when it cannot run."""
+    if not opts.site:
+        raise ValueError("--exchange under torchrun runs one site of a store run: give --site NAME and --peers "
+                         "A,B,... (the torchrun world is that site's workers)")
+    check_site(opts, world, cfg.sites)
+    opts = read_key(opts)
+    check_exchange(cfg, [optimizer], opts)
+    check_join(opts, [optimizer])
+    return site_options(opts)
 
 
 def check_exchange(cfg: TrainConfig, optimizers: list[str], opts: RunOptions) -> None:

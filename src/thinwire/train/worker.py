@@ -42,7 +42,7 @@ from .model import build_model
 from .optimizers import get_optimizer, torch_adamw
 from .probe import AdamWProbe, calibrate
 from .progress import Progress
-from .site_join import join, publish
+from .site_join import join, publish, site_reduce
 from .site_run import gather_store, global_rank, store_record
 from .sites import Tiers, optimizer_state_bytes, setup, site_sums
 from .store_runs import shard_store_group, store_group
@@ -280,9 +280,7 @@ def _site_catching_up(group, shard_group) -> bool:
     behind = group.catching_up()
     if shard_group is None:
         return behind
-    flag = torch.tensor([int(behind)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shard_group)
-    return bool(flag.item())
+    return bool(site_reduce([int(behind)], dist.ReduceOp.MAX, shard_group)[0])
 
 
 def _replicas_identical(model, world: int) -> tuple[bool, str]:
