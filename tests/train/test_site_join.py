@@ -122,7 +122,9 @@ def test_a_site_sharded_by_fsdp2_joins_from_its_shards_snapshots(tmp_path):
     """Sites a and b (2 workers each, FSDP2 inside, paced at 0.5 s a step) write each shard's
     snapshot every 2 rounds; c, started with them, waits in `join` for the first snapshot while
     a and b's first round waits out --join-timeout without it, then joins: its log starts with
-    the join, and from then on every step ends with the parameters a and b have after it."""
+    the join, and from then on every step ends with the parameters a and b have after it (each
+    step's digest: the logging rank's shard, the same shard at every site; the final one: the
+    whole model)."""
     store, env = tmp_path / "store", train_env(THINWIRE_EXCHANGE_KEY=secrets.token_hex(32), THINWIRE_STEP_SLEEP="0.5",
                                                THINWIRE_STEP_DIGEST="1")
     argv = [sys.executable, "-m", "thinwire", *SHARDED, "--exchange", store.as_uri()]

@@ -75,16 +75,22 @@ def slow_before(step: int, last_step_s: float | None) -> float:
     return pause
 
 
-def params_digest(model) -> str:
+def params_digest(model, whole: bool = True) -> str:
     """SHA-256 of the parameters, parameter by parameter in order, as raw bytes: two replicas
-    have the same digest exactly when they are bit-identical."""
+    have the same digest exactly when they are bit-identical. An FSDP2 shard counts as the whole
+    tensor (one all-gather per parameter), or with `whole` False as this rank's shard (no
+    collective: the same shard of two sites compares alike)."""
     digest = hashlib.sha256()
     for p in model.parameters():
-        p = p.full_tensor() if is_dtensor(p) else p                 # an FSDP2 shard: the whole tensor (a collective)
+        if is_dtensor(p):
+            p = p.full_tensor() if whole else p.to_local()
         digest.update(p.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
 def step_digest(model) -> dict:
-    """{'params_sha256': ...} for a step record under THINWIRE_STEP_DIGEST=1, else {}."""
-    return {"params_sha256": params_digest(model)} if os.environ.get("THINWIRE_STEP_DIGEST") == "1" else {}
+    """{'params_sha256': ...} for a step record under THINWIRE_STEP_DIGEST=1, else {}: under
+    FSDP2 the logging rank's shards (no collective per step; the final record has the whole model's)."""
+    if os.environ.get("THINWIRE_STEP_DIGEST") != "1":
+        return {}
+    return {"params_sha256": params_digest(model, whole=False)}
