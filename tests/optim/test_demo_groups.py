@@ -10,10 +10,12 @@ import torch
 import thinwire
 from thinwire.audit import StepAudit
 
-# chunk 64: groups of (h, w, padded cols) (64, 64, 64), (64, 64, 192), (1, 64, 64), (1, 64, 192);
-# (97, 64) pads its rows to 128 ((100, 64) takes chunks of 50 rows); (37, 24) and (37,) are chunks of their own; (10, 37) pads
-# its columns (chunk 16) and stays on the per-tensor path
-SHAPES = [(128, 64), (64,), (192,), (64, 192), (256, 64), (100, 64), (97, 64), (37, 24), (37,), (64, 64)]
+# chunk 64: groups of (h, w, C) (64, 64, 64), (64, 64, 192), (1, 64, 64) (both vectors: one-row chunks of any
+# width lie end to end); (97, 64) pads its rows to 128 ((100, 64) takes chunks of 50 rows); (37, 24) and (37,) are
+# chunks of their own; (10, 37) pads its columns (chunk 16) and stays on the per-tensor path. The vectors have 12
+# and 16 chunk rows: MKL's sgemm computes a row alike in calls of any height from 12 rows on (below, the last
+# rows % 4 of a call take other kernels: `test_one_row_chunks_of_any_width_share_a_group`)
+SHAPES = [(128, 64), (768,), (1024,), (64, 192), (256, 64), (100, 64), (97, 64), (37, 24), (37,), (64, 64)]
 SETTINGS = [{}, dict(values="int8"), dict(values="sign"), dict(values="fp32", transform="identity"),
             dict(base="sgd"), dict(aggregate="senders"), dict(momentum_form="reference", base="sgd"),
             dict(overlap=True, lookahead="momentum"), dict(overlap=True, lookahead="message"),
@@ -103,6 +105,24 @@ if torch.cuda.is_available():                                     # defined only
                 assert int((a != b).sum()) <= a.numel() // 100    # codes at a rounding's boundary
             else:
                 assert torch.equal(a, b)
+
+
+def test_one_row_chunks_of_any_width_share_a_group():
+    """Vectors of 64, 192 and 768 (chunks 1 x 64) are one group of 1 + 3 + 12 rows of 64, each
+    vector's chunks where its own image has them; with the identity transform (no GEMM) the
+    group is the per-tensor path bit for bit. With the DCT the group's one GEMM computes a
+    vector of under 12 chunk rows with other kernels than its own small GEMM does on CPU
+    (MKL: the last rows % 4 of a call under 12 rows), so there the two agree to rounding."""
+    shapes, kw = [(64,), (192,), (768,)], dict(transform="identity", values="fp32", base="sgd")
+    ours, opt, sent = _run(True, shapes=shapes, **kw)
+    ref, _, ref_sent = _run(False, shapes=shapes, **kw)
+    [group] = opt._groups[1].groups
+    assert group.members == [0, 1, 2] and tuple(group.momentum.shape) == (16, 64)
+    assert [tuple(v.shape) for v in group.views] == [(1, 64), (1, 192), (1, 768)]
+    for p, q in zip(ours, ref):
+        assert torch.equal(p, q)
+    for a, b in zip(sent, ref_sent):
+        assert torch.equal(a, b)
 
 
 def test_a_padded_column_shape_stays_on_the_per_tensor_path():

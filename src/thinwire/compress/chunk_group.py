@@ -6,7 +6,9 @@ columns) stack on their rows: image i [R_i, C] sits at rows [r_i, r_i + R_i) of 
 image [ΣR_i, C], and chunk (a, b) of tensor i is chunk (r_i / h + a, b) of the group, so the
 group's chunks in row-major order are tensor 0's, then tensor 1's, ... Both transforms are
 then one GEMM over [ΣR_i · C / w, w] and one batched GEMM over the ΣR_i / h row blocks, the
-top-k one call over all chunks, the packing one call per stream.
+top-k one call over all chunks, the packing one call per stream. Tensors of one-row chunks
+(h = 1) join whatever their widths: an image [R_i, C_i] of chunks 1 × w is its chunks end
+to end, so it sits in a group's image [Σ R_i C_i / w, w] as R_i C_i / w rows (`geometry`).
 
 The message keeps each tensor's own wire format at its own place (`ChunkedTopK`'s, byte for
 byte): a group packs its indices, scales and values once, as streams over all its chunks,
@@ -37,9 +39,13 @@ def groupable(comp: ChunkedTopK, shape) -> bool:
 
 
 def geometry(comp: ChunkedTopK, shape) -> tuple[int, int, int]:
-    """What tensors of one group share: (h, w, padded columns)."""
+    """What tensors of one group share: (h, w, the group image's columns C). One-row chunks
+    (h = 1: biases, norms) lie end to end in row-major order, so such an image [R, C] is
+    also [R·C / w, w] with the same chunks in the same order: those tensors share C = w,
+    whatever their own widths."""
     plan = comp.plan(shape)
-    return plan.chunk_rows, plan.chunk_cols, plan.padded_cols
+    cols = plan.chunk_cols if plan.chunk_rows == 1 else plan.padded_cols
+    return plan.chunk_rows, plan.chunk_cols, cols
 
 
 class ChunkGroup:
@@ -50,7 +56,8 @@ class ChunkGroup:
         self.comp, self.shapes, self.nbytes, self.device = comp, [tuple(s) for s in shapes], nbytes, device
         plans = [comp.plan(s) for s in self.shapes]
         h, w, cols = geometry(comp, self.shapes[0])
-        self.rows = [plan.padded_rows for plan in plans]
+        self.images = [(plan.padded_rows, plan.padded_cols) for plan in plans]   # each tensor's own image
+        self.rows = [plan.padded_numel // cols for plan in plans]                # its rows in the group's
         self.starts = [sum(self.rows[:i]) for i in range(len(plans))]
         total = sum(self.rows)
         self.plan = ChunkPlan((total, cols), total, cols, h, w, total, cols)   # the stacked images
@@ -96,8 +103,10 @@ class ChunkGroup:
         return self._received[world]
 
     def views(self, image: torch.Tensor) -> list[torch.Tensor]:
-        """Tensor i's image [R_i, C]: rows of the group's image [ΣR_i, C]."""
-        return [image[start: start + rows] for start, rows in zip(self.starts, self.rows)]
+        """Tensor i's own image [R_i, C_i]: rows [r_i, r_i + R_i·C_i / C) of the group's
+        image [ΣR_i·C_i / C, C] (contiguous), viewed in its shape (C_i = C unless h = 1)."""
+        return [image[start: start + rows].view(shape)
+                for start, rows, shape in zip(self.starts, self.rows, self.images)]
 
     def crops(self, image: torch.Tensor) -> list[torch.Tensor]:
         """Tensor i's elements [*shape_i] in the group's image (its padding rows dropped)."""

@@ -81,7 +81,8 @@ class ChunkTransform:
             torch.mm(x.view(given, w), pw.T, out=t[:given])                # X P_wᵀ: [R*gc, w] @ [w, w]
         else:
             t[:given].copy_(x.view(given, w))
-        t[given:].zero_()
+        if given < rows * gc:                                              # x gave fewer rows
+            t[given:].zero_()
         if ph is not None:
             # out[a] ← β out[a] + α P_h (X P_wᵀ)[a]: [h, h] @ [h, C] for each of the gr row blocks
             out.view(gr, h, cols).baddbmm_(ph.expand(gr, h, h), t.view(gr, h, cols), beta=beta, alpha=alpha)

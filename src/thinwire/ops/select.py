@@ -76,7 +76,7 @@ def _two_level(m: torch.Tensor, k: int, g: int) -> torch.Tensor:
     candidates = groups.gather(2, best.unsqueeze(1).expand(rows, g, k))  # [rows, g, k]
     pick = candidates.view(rows, g * k).topk(k, dim=-1, sorted=False).indices   # [rows, k] in [0, g·k)
     member = torch.div(pick, k, rounding_mode="floor")                  # i: the element's place in its group
-    return best.gather(1, pick - member * k).add_(member * width)       # j + i · n/g
+    return best.gather(1, pick.remainder_(k)).add_(member, alpha=width)  # j + i · n/g
 
 
 def ascending(idx: torch.Tensor, n: int) -> torch.Tensor:

@@ -9,10 +9,11 @@ The same equations as the per-tensor path in `thinwire.optim.demo` (its module d
     Δ = T⁻¹(mean_j Q̂_j)            one index_add_ per rank, in rank order, then one inverse transform
     θ ← θ(1 − ηλ) − η φ(Δ)          `_foreach_mul_`, one sign_ over the group, `_foreach_add_`
 
-A group is the parameters of one param group with one (h, w, padded columns) geometry that
-keep their momentum as transform coefficients (momentum_domain 'auto'/'transform' with 'dct'
-or 'identity'), are float32, bfloat16 or float16 (one dtype per group) and not sharded, step
-with base 'signum' or 'sgd', and are `groupable` (no padded columns; whole bytes per chunk).
+A group is the parameters of one param group with one (h, w, C) `geometry` (tensors of
+one-row chunks share C = w whatever their widths) that keep their momentum as transform
+coefficients (momentum_domain 'auto'/'transform' with 'dct' or 'identity'), are float32,
+bfloat16 or float16 (one dtype per group) and not sharded, step with base 'signum' or 'sgd',
+and are `groupable` (no padded columns; whole bytes per chunk).
 The others take the per-tensor path.
 
 A bf16 or fp16 group keeps its momentum and Δ in float32, as the per-tensor path does, and
@@ -31,7 +32,11 @@ is copied into the group's buffer at the next step).
 
 Same arithmetic as the per-tensor path, bit for bit on CPU (tests/optim/test_demo_groups.py):
 the GEMMs see the same [·, w] × [w, w] and [h, h] × [h, C] products, only more of them per
-call; the sums over ranks run in rank order as before. On a GPU, a GEMM over more rows can
+call; the sums over ranks run in rank order as before. One exception on CPU: MKL computes the
+last rows % 4 of a GEMM under 12 rows with other kernels, so a tensor of one-row chunks with
+fewer than 12 chunk rows (a bias of 64 with chunk 64, say) rounds its transform differently
+alone than in its group's taller GEMM (float rounding only; the group's results do not
+depend on which other tensors it holds once it has 12 rows). On a GPU, a GEMM over more rows can
 pick another kernel (another summation order over w or h: float rounding only), and top-k
 over more rows another algorithm, which may break ties between equal magnitudes otherwise.
 """
