@@ -211,6 +211,6 @@ def test_bf16_parameters_take_the_flat_sync_with_per_tensor_rounding():
         for p, g in zip(params, gs):
             p.grad = g.clone()
         opt.step()
-    assert opt._low is not None and opt._low.dtype == torch.bfloat16      # the flat path ran
+    assert opt.sync._low is not None and opt.sync._low.dtype == torch.bfloat16      # the flat path ran
     for p, q in zip(params, expected):
         assert p.dtype == q.dtype and torch.equal(p.detach(), q)
