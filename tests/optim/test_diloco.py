@@ -198,7 +198,7 @@ def _bf16_reference(params: list[torch.Tensor], grads: list[list[torch.Tensor]],
 
 def test_bf16_parameters_take_the_flat_sync_with_per_tensor_rounding():
     """bf16 parameters beside a float32 one: Δ, the outer step and θ ← θ₀ through flat
-    buffers (`PeriodicAveraging._write_deltas`, `nesterov_outer_all_`'s flats) land bit for
+    buffers (`DenseMean._write_deltas`, `nesterov_outer_all_`'s flats) land bit for
     bit where the per-tensor equations do."""
     gen = torch.Generator().manual_seed(0)
     shapes, dtypes = [(5, 3), (4,), (7,)], [torch.bfloat16, torch.float32, torch.bfloat16]

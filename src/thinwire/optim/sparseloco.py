@@ -163,7 +163,7 @@ class SparseLoCo(LocalSteps):
         aggregate: 'mean' (default, the paper's 1/R) | 'senders' (the reference code's).
         nonfinite, process_group, overlap, delay: as for DiLoCo; process_group may also be a
             `thinwire.store.StoreGroup` (a site whose message misses a round keeps it in e:
-            e ← e' + Δ̂_r, `_keep_own`).
+            e ← e' + Δ̂_r, `SparseTopKSync.keep_own`).
         eager: with delay > 1, each replica jumps to θ₀ − c α Δ̂_r when its sync leaves (default
             True; the module docstring).
         eager_scale: c of that jump, a finite number >= 0 (default 1: its own message's estimate

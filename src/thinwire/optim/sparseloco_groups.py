@@ -14,6 +14,9 @@ module docstring) with a number of operations that does not grow with the parame
                                     flat Δ̄; one division
     e ← e';  θ₀ ← θ₀ − α Δ̄;  θ ← θ₀ (+ θ − θ_s)   `_foreach_*` ops
 
+Each function takes the rule (`sync`, a `SparseTopKSync`: its settings, e', the scratches) and,
+where it reads self.state or θ_s, the optimizer (`host`, `thinwire.optim.periodic`).
+
 A parameter joins when it is float32, bfloat16 or float16 and `sparseloco_grouped.joins` its
 shape ('identity' top-k, '2bit' or '8bit' values; padded chunks too); the others go tensor by tensor as
 on the per-tensor path (`SparseLoCo.grouped = False` sends every parameter there: the
@@ -135,7 +138,7 @@ def grouped_for(sync, layout: list[Member]) -> GroupedSparseLoCo:
 
 
 def _difference(k: Dtypes, x: torch.Tensor, xs, anchors, params) -> None:
-    """x = θ₀ − θ, float32, every tensor (as `sparseloco._difference`). A narrow scratch keeps θ
+    """x = θ₀ − θ, float32, every tensor (as `sparseloco_sync._difference`). A narrow scratch keeps θ
     afterwards (`_launch` and θ before the jump take it from there)."""
     for d, members in k.narrow.items():
         low, lows, work = k.low[d], k.lows[d], k.work(x)
@@ -176,7 +179,7 @@ def encode(sync, host, step: int, layout: list[Member], payload: torch.Tensor) -
             rest = k.wide + k.other
             if rest:
                 torch._foreach_copy_(_pick(before, rest), _pick(params, rest))
-        _launch(sync, host, g, layout, positions, sent)            # before the tensors alone: it writes their θ_s places
+        _launch(sync, host, g, layout, positions, sent)     # before the tensors alone: it writes their θ_s places
     for i in g.alone:                                       # tensor by tensor (their Sent shares a scratch)
         _alone(sync, host, step, g, layout[i].param, anchors[i], xs[i], i, payload)
     sync._own_sent, sync._eager_jumped = None, sync.jumps
@@ -203,7 +206,7 @@ def _launch(sync, host, g: GroupedSparseLoCo, layout: list[Member], positions, s
     k, params, launched = sync._dtypes, [m.param for m in layout], _views(host._launched, g, layout)
     wide = k.joined[torch.float32]
     if not sync.jumps:
-        k.widen(host._launched, launched)                    # θ_s = θ: the narrow scratches hold θ since Δ
+        k.widen(host._launched, launched)                   # θ_s = θ: the narrow scratches hold θ since Δ
         if wide:
             torch._foreach_copy_(_pick(launched, wide), _pick(params, wide))
         return
@@ -229,7 +232,7 @@ def _launch(sync, host, g: GroupedSparseLoCo, layout: list[Member], positions, s
         torch._foreach_copy_(_pick(lows, members), _pick(anchors, members))
         low.index_add_(0, positions, sent.mul(-scale).to(d))
         torch._foreach_copy_(_pick(params, members), _pick(lows, members))
-        k.work(host._launched).copy_(low)                    # θ_s, widened exactly
+        k.work(host._launched).copy_(low)                   # θ_s, widened exactly
         k.land(launched, members)
         over = over or k.spare is None
     if wide and over:                                       # the whole-buffer cast wrote the float32 places
@@ -323,7 +326,7 @@ def _rejoin(sync, host, g: GroupedSparseLoCo, layout: list[Member], anchors) -> 
             torch._foreach_copy_(_pick(params, members), _pick(anchors, members))
             continue
         # θ − θ_s + θ₀ in float32 (θ, θ₀ widened exactly), rounded once to θ's dtype
-        work = k.work(host._launched)                        # θ_s itself with one narrow dtype: read for the last time
+        work = k.work(host._launched)                       # θ_s itself with one narrow dtype: read for the last time
         torch._foreach_copy_(_pick(lows, members), _pick(params, members))
         torch.sub(low, host._launched, out=work)
         torch._foreach_copy_(_pick(lows, members), _pick(anchors, members))

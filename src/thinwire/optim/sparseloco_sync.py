@@ -1,9 +1,11 @@
 """SparseTopKSync: SparseLoCo's sync rule (`thinwire.optim.sync_rule`), the equations of
 `thinwire.optim.sparseloco` (its module docstring) from Δ on, at a sync after the local step:
 
-    Δ = θ₀ − θ;  e = β e + Δ;  Δ̂_r = Q(TopK(e));  e' = e − Δ̂_r      `encode`: the message, e' aside
-    θ ← θ₀ − c α Δ̂_r                                                `encode`: the eager jump (delay > 1)
-    Δ̄ = (1/R) Σ_r Δ̂_r;  e ← e';  θ₀ ← θ₀ − α Δ̄;  θ ← θ₀ (+ θ − θ_s)  `apply`, at the landing
+    Δ = θ₀ − θ;  e = β e + Δ;  Δ̂_r = Q(TopK(e))     `encode`: the message
+    e' = e − Δ̂_r                                     `encode`: kept aside until the landing
+    θ ← θ₀ − c α Δ̂_r                                 `encode`: the eager jump (delay > 1)
+    Δ̄ = (1/R) Σ_r Δ̂_r;  e ← e'                       `apply`, at the landing
+    θ₀ ← θ₀ − α Δ̄;  θ ← θ₀ (+ θ − θ_s)               `apply`
 
 on the grouped layout (`thinwire.optim.sparseloco_groups`, `grouped = True`, the default) or
 tensor by tensor (`grouped = False`, the reference: `FlatSparseLoCo`, each parameter's Δ, e
