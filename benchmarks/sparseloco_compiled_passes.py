@@ -26,7 +26,7 @@ from apmsqueeze_bench import median_seconds   # this folder's
 
 from thinwire.compress.sparseloco_topk import Sent
 from thinwire.ops.select import _group_size
-from thinwire.optim.sparseloco import _difference, _subtract_sent
+from thinwire.optim.sparseloco_sync import _difference, _subtract_sent
 
 BETA = 0.95          # SparseLoCo's default error decay
 

@@ -101,12 +101,12 @@ def second_row_landing(model, device, sl, payload) -> float:
     the landing of two rows (the same bytes as the other's) against one; grouped (every row
     read at once, one index_add_ per row) or per tensor (this rank's own as its encode left it)."""
     means = [torch.empty(p.shape, device=device) for p in model.parameters()]
-    flat, own = sl._flat, sl._own_sent
+    flat, own = sl.sync._flat, sl.sync._own_sent
     mean = torch.empty(sum(p.numel() for p in model.parameters()), device=device)
 
     def landing(rows):
         if sl.grouped:
-            positions, values, _ = sl._grouped.read(torch.stack(rows))
+            positions, values, _ = sl.sync._grouped.read(torch.stack(rows))
             mean.zero_()
             for r in range(len(rows)):
                 mean.index_add_(0, positions[r], values[r])
@@ -164,7 +164,7 @@ def main() -> None:
                 if block >= 2:
                     times[name][i].append(t)
     sl = opts["sparseloco"]              # whole rounds ran: the last sync is in flight, its own rows kept
-    extra = second_row_landing(models["sparseloco"], device, sl, sl._message.payload)
+    extra = second_row_landing(models["sparseloco"], device, sl, sl.sync.message.payload)
     report(times, h, args.delay, extra)
     if args.profile:
         profile_round(lambda ids: _train_step(models["sparseloco"], sl, ids[:, :-1], ids[:, 1:], args.bf16),

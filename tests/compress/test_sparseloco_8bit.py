@@ -92,7 +92,7 @@ def test_grouped_bytes_decoded_values_and_reads_are_the_per_tensor_ones(name, in
 @pytest.mark.parametrize("kw", [dict(), dict(overlap=True, delay=3), dict(aggregate="senders")], ids=str)
 def test_the_grouped_sync_follows_the_per_tensor_path_bit_for_bit(kw):
     ours, opt, history = _run(True, values="8bit", **kw)
-    assert opt._grouped is not None and opt._grouped.tensors                  # the 8bit tensors joined
+    assert opt.sync._grouped is not None and opt.sync._grouped.tensors                  # the 8bit tensors joined
     ref, _, ref_history = _run(False, values="8bit", **kw)
     _same((history, ours), (ref_history, ref))
 
@@ -109,4 +109,4 @@ def test_the_message_counts_1024_level_bytes_and_a_byte_per_kept_value_per_tenso
         plan, k = comp.plan(shape), comp.k(shape)
         kept = plan.num_chunks * k
         want += math.ceil(kept * math.ceil(math.log2(plan.chunk_elems)) / 8) + 4 * 256 + kept
-    assert opt._message.buffer.numel() == want
+    assert opt.sync.message.buffer.numel() == want

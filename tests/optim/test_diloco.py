@@ -198,7 +198,7 @@ def _bf16_reference(params: list[torch.Tensor], grads: list[list[torch.Tensor]],
 
 def test_bf16_parameters_take_the_flat_sync_with_per_tensor_rounding():
     """bf16 parameters beside a float32 one: Δ, the outer step and θ ← θ₀ through flat
-    buffers (`PeriodicAveraging._write_deltas`, `nesterov_outer_all_`'s flats) land bit for
+    buffers (`DenseMean._write_deltas`, `nesterov_outer_all_`'s flats) land bit for
     bit where the per-tensor equations do."""
     gen = torch.Generator().manual_seed(0)
     shapes, dtypes = [(5, 3), (4,), (7,)], [torch.bfloat16, torch.float32, torch.bfloat16]
@@ -211,6 +211,6 @@ def test_bf16_parameters_take_the_flat_sync_with_per_tensor_rounding():
         for p, g in zip(params, gs):
             p.grad = g.clone()
         opt.step()
-    assert opt._low is not None and opt._low.dtype == torch.bfloat16      # the flat path ran
+    assert opt.sync._low is not None and opt.sync._low.dtype == torch.bfloat16      # the flat path ran
     for p, q in zip(params, expected):
         assert p.dtype == q.dtype and torch.equal(p.detach(), q)

@@ -31,6 +31,9 @@ from tests.wire.test_twobit import reference_row
 from thinwire import DiLoCo, SparseLoCo
 from thinwire.compress import ChunkPlan
 from thinwire.optim.checkpoints import INFLIGHT_KEY
+from thinwire.optim.dense_mean import DenseMean
+from thinwire.optim.local_steps import LocalSteps
+from thinwire.optim.sparseloco_sync import SparseTopKSync
 
 H, STEPS, TOPK, CHUNK, BETA, ALPHA, LR = 3, 9, 32, 16, 0.9, 0.8, 1e-2
 EAGER_SCALE = 1.5                                             # c of the eager jump, where a test sets it
@@ -426,6 +429,18 @@ def test_defaults_are_the_papers():
     assert (c.topk, c.chunk, c.codec.name, c.transform.kind) == (128, 64, "2bit", "identity")
     assert (opt.error_decay, opt.outer_lr, opt.aggregate) == (0.95, 1.0, "mean")
     assert c.k((64, 64)) == 128 and c.k((32, 64)) == 64 and c.k((64,)) == 2      # 3.1 % everywhere
+
+
+def test_sparseloco_and_diloco_compose_local_steps_with_their_sync_rule():
+    """Issue 47: SparseLoCo is no DiLoCo; both are the inner optimizer's local steps
+    (`LocalSteps`) and a sync rule, whose settings the optimizer reads through."""
+    assert not issubclass(SparseLoCo, DiLoCo) and issubclass(SparseLoCo, LocalSteps) and issubclass(DiLoCo, LocalSteps)
+    sparse = SparseLoCo([torch.nn.Parameter(torch.randn(8, 8))], chunk=8, topk=4, overlap=True, delay=2)
+    dense = DiLoCo([torch.nn.Parameter(torch.randn(8, 8))], wire="int8")
+    assert isinstance(sparse.sync, SparseTopKSync) and sparse.STORE_EXCHANGE and sparse.sync.jumps
+    assert isinstance(dense.sync, DenseMean) and dense.STORE_EXCHANGE and dense.codec is dense.sync.codec
+    sparse.grouped = False
+    assert sparse.sync.grouped is False and sparse.compressor is sparse.sync.compressor
 
 
 def _in_flight_after_a_step(state: dict) -> dict:

@@ -35,7 +35,7 @@ def _run(grouped: bool, steps: int = 10, dtypes=None, flush: bool = True, **kw):
             p.grad = torch.randn(p.shape, generator=grads).to(p.dtype)
         opt.step()
         state = [(p.detach().clone(), opt.state[p]["anchor"].clone(), opt.state[p]["error"].clone()) for p in params]
-        message = opt._message.buffer.clone() if opt._message.buffer is not None else None
+        message = opt.sync.message.buffer.clone() if opt.sync.message.buffer is not None else None
         history.append((state, message))
     if kw.get("overlap") and flush:
         opt.flush()
@@ -58,7 +58,7 @@ def test_the_grouped_sync_follows_the_per_tensor_path_bit_for_bit(kw):
     ours, opt, history = _run(True, **kw)
     ref, _, ref_history = _run(False, **kw)
     _same((history, ours), (ref_history, ref))
-    joined = opt._grouped.tensors
+    joined = opt.sync._grouped.tensors
     if kw.get("values") or kw.get("transform"):
         assert joined == []
     else:
@@ -85,8 +85,8 @@ def test_narrow_parameters_join_and_follow_the_per_tensor_path_bit_for_bit(layou
     ours, opt, history = _run(True, dtypes=dtypes, **kw)
     ref, _, ref_history = _run(False, dtypes=dtypes, **kw)
     _same((history, ours), (ref_history, ref))
-    assert sorted(opt._grouped.tensors) == [i for i, d in enumerate(dtypes) if d != F64]
-    assert opt._grouped.alone == [i for i, d in enumerate(dtypes) if d == F64]
+    assert sorted(opt.sync._grouped.tensors) == [i for i, d in enumerate(dtypes) if d != F64]
+    assert opt.sync._grouped.alone == [i for i, d in enumerate(dtypes) if d == F64]
 
 
 @pytest.mark.parametrize("kw", [dict(values="int8"), dict(values="fp32", overlap=True, delay=3),
@@ -98,7 +98,7 @@ def test_every_parameter_alone_bf16_changes_nothing(kw):
     ours, opt, history = _run(True, dtypes=dtypes, **kw)
     ref, _, ref_history = _run(False, dtypes=dtypes, **kw)
     _same((history, ours), (ref_history, ref))
-    assert opt._grouped.tensors == []
+    assert opt.sync._grouped.tensors == []
 
 
 @pytest.mark.parametrize("layout", [None, "f32+bf16"])

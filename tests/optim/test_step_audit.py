@@ -182,7 +182,7 @@ def sparseloco_audited():
 def test_sparseloco_sync_launches_stay_flat_and_it_reads_the_host_at_most_once_of_its_own(sparseloco_audited):
     """From 28 to 100 tensors every step launches the same (within 10 %); no host read beyond
     what DiLoCo's envelope makes on the same schedule (the landing's check of what arrived is
-    a device flag read with the envelope's, `SparseLoCo._arrival`). At 8 blocks the sync
+    a device flag read with the envelope's, `SparseTopKSync.arrival`). At 8 blocks the sync
     step stays under 16x torch AdamW's launches (it was about 700x before the grouped
     layout; the issue's goal of 3x is not met: see docs/design.md)."""
     two, eight = sparseloco_audited[("sparseloco-delayed", 2)], sparseloco_audited[("sparseloco-delayed", 8)]

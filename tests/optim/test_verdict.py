@@ -24,7 +24,7 @@ def _host_path(opt):
     """The same optimizer reading the verdict on the host and landing the step there (the
     path every algorithm has)."""
     opt._applies_masked = lambda layout: False
-    if isinstance(opt, thinwire.DiLoCo):                 # its device path is the local step's too
+    if isinstance(opt, (thinwire.DiLoCo, thinwire.SparseLoCo)):   # its device path is the local step's too
         opt._masks_nonfinite = lambda layout: False
     return opt
 

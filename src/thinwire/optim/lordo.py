@@ -10,8 +10,8 @@ Local step on rank m, for each matrix parameter θ (p x q; conv weights as p x r
     θ ← θ (1 − η λ) − η [ ω P*(u / ((1−β₁ᵗ) D)) + (1−ω) Ĝ / mean(D) ]
 
 Sync every K = sync_every steps (after that step's local step), for all parameters in one
-flat buffer (`thinwire.optim.periodic.PeriodicAveraging`: wire formats, error feedback, and
-what a non-finite gradient does):
+flat buffer (`thinwire.optim.periodic.PeriodicAveraging` with the sync rule
+`thinwire.optim.dense_mean.DenseMean`: wire formats, error feedback; what a non-finite gradient does):
 
     Δ̄ = mean_ranks (θ − θ₀)                        one all-reduce (or compressed all-gather)
     θ₀ ← outer(θ₀, Δ̄);  θ ← θ₀                     default outer: plain averaging θ₀ + Δ̄
@@ -84,7 +84,8 @@ from .base import Member
 from .elastic_rules import PER_RANK, PERIODIC, REPLICATED
 from .lordo_groups import Stacks, refresh_stack_, signature, step_stacks_
 from .lordo_tensor import refresh_basis_, site_flag, step_each_, whole_shape
-from .periodic import PeriodicAveraging, Slot
+from .dense_mean import DenseMean
+from .periodic import PeriodicAveraging, Slot, check_sync_every, of_sync
 from .shards import row_range, site_rank, site_size
 from .verdict import PendingVerdicts
 
@@ -124,7 +125,7 @@ class LoRDO(PeriodicAveraging):
             True or False (False: full-rank AdamW; use it for embeddings and the head).
         error_feedback (per group): keep E (default True; False saves one p x q buffer).
         wire: 'fp32' (default, all-reduce) | 'bf16' | 'int8' for the synced delta, with
-            error feedback (see `thinwire.optim.periodic`).
+            error feedback (see `thinwire.optim.dense_mean`).
         outer_lr, outer_momentum: optional Nesterov outer step on the averaged delta;
             the defaults 1.0 and 0.0 are plain averaging.
         nonfinite: 'raise' (default) or 'skip' when any rank's gradients are not finite
@@ -134,11 +135,12 @@ class LoRDO(PeriodicAveraging):
             applies it before its local step (`thinwire.optim.periodic`, "Overlap").
     Initial parameters must be identical on all ranks (as with DDP's broadcast).
     State per parameter: 'step', 'exp_avg', 'exp_avg_sq' (float32), for low-rank ones 'Q'
-    and 'error' (float32, p × rest), and the sync's 'anchor' etc. (`PeriodicAveraging`); a
-    stacked parameter's tensors are views of its stack's buffers (`lordo_groups`).
+    and 'error' (float32, p × rest), and the sync's 'anchor' etc. (`PeriodicAveraging`,
+    `DenseMean`); a stacked parameter's tensors are views of its stack's buffers (`lordo_groups`).
     """
 
     kind = "lordo"
+    outer_lr, outer_momentum, wire, codec = (of_sync(name) for name in ("outer_lr", "outer_momentum", "wire", "codec"))
 
     def __init__(self, params, lr: float = 1e-3, rank: int = 256, sync_every: int = 32, omega: float = 0.97,
                  clip: float | None = 1.0, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
@@ -149,7 +151,8 @@ class LoRDO(PeriodicAveraging):
                         weight_decay=weight_decay, low_rank=low_rank, error_feedback=error_feedback)
         _check_group(defaults)
         super().__init__(params, defaults)
-        self._init_sync(process_group, nonfinite, sync_every, outer_lr, outer_momentum, wire, overlap)
+        check_sync_every(sync_every)
+        self._init_sync(process_group, nonfinite, sync_every, DenseMean(outer_lr, outer_momentum, wire), overlap)
         self._warned = False
         self.grouped = True                       # False: every parameter on the per-tensor path
         self._stacks: tuple | None = None         # (layout key, `Stacks`), kept while the layout stays

@@ -76,8 +76,11 @@ Where this differs from the paper's reference code (tplr's sparseloco.py):
   * indices are ceil(log2 E)-bit packed and everything travels in one all-gathered buffer (the
     reference all-gathers int64 indices, values and quantization parameters apart).
 
-Everything else is DiLoCo's (`thinwire.optim.diloco`, `periodic`): the inner optimizer's groups are
-this object's groups (LR schedulers reach it); `nonfinite` (a flagged sync is made on no rank:
+SparseLoCo is the composition of two parts, as DiLoCo is (`thinwire.optim.diloco`):
+`LocalSteps` (`thinwire.optim.local_steps`: the inner torch optimizer, whose groups are this
+object's groups, so LR schedulers reach it) and the sync rule `SparseTopKSync`
+(`thinwire.optim.sparseloco_sync`: the equations above from Δ on). The rest is the periodic
+envelope's (`thinwire.optim.periodic`): `nonfinite` (a flagged sync is made on no rank:
 anchor and e unchanged); `overlap=True` (the sync's all-gather leaves at its step and lands at
 the next step(): the delayed outer step, one step late); checkpoints (a sync in flight keeps
 e' = e − Δ̂ aside until it lands); elastic remap (e per rank by the interval rule, θ₀ kept).
@@ -112,21 +115,13 @@ p's shape).
 
 from __future__ import annotations
 
-import torch
-
 from ..compress import SparseLoCoTopK
-from ..compress.sparseloco_flat import FlatSparseLoCo
 from ..compress.sparseloco_grouped import joins
 from ..compress.topk import AGGREGATIONS
-from .base import Member
-from .diloco import DiLoCo
-from .exchange import GatherAll
-from .flat import spans
-from . import sparseloco_groups
-from .flat import reuse
-from .periodic import check_sync_every
+from .local_steps import LocalSteps
 from .median_clip import check_clip
-from .sparseloco_groups import _subtract_sent
+from .periodic import check_delay, check_sync_every, of_sync
+from .sparseloco_sync import SparseTopKSync
 
 
 def _check(topk, chunk, values, transform, indices, error_decay, outer_lr, aggregate) -> SparseLoCoTopK:
@@ -149,14 +144,7 @@ def _check_eager_scale(value) -> float:
     return float(value)
 
 
-def _difference(anchor: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out = θ₀ − θ in float32 (out: float32, contiguous), exact for bf16 parameters."""
-    if anchor.dtype == p.dtype == torch.float32:
-        return torch.sub(anchor, p, out=out)
-    return out.copy_(anchor).sub_(p)
-
-
-class SparseLoCo(DiLoCo):
+class SparseLoCo(LocalSteps):
     """SparseLoCo over any inner optimizer; the module docstring has the equations and the wire.
 
     Args:
@@ -175,7 +163,7 @@ class SparseLoCo(DiLoCo):
         aggregate: 'mean' (default, the paper's 1/R) | 'senders' (the reference code's).
         nonfinite, process_group, overlap, delay: as for DiLoCo; process_group may also be a
             `thinwire.store.StoreGroup` (a site whose message misses a round keeps it in e:
-            e ← e' + Δ̂_r, `_keep_own`).
+            e ← e' + Δ̂_r, `SparseTopKSync.keep_own`).
         eager: with delay > 1, each replica jumps to θ₀ − c α Δ̂_r when its sync leaves (default
             True; the module docstring).
         eager_scale: c of that jump, a finite number >= 0 (default 1: its own message's estimate
@@ -188,7 +176,18 @@ class SparseLoCo(DiLoCo):
     """
 
     kind = "sparseloco"
-    STORE_EXCHANGE = True         # one GatherAll per sync; a message that missed a round returns to e
+    compressor, error_decay, outer_lr, aggregate, eager, eager_scale, clip = (
+        of_sync(name) for name in ("compressor", "error_decay", "outer_lr", "aggregate", "eager", "eager_scale", "clip"))
+
+    @property
+    def grouped(self) -> bool:
+        """True (default): the sync on the grouped layout; False: the per-tensor path, the
+        reference (`thinwire.optim.sparseloco_groups`). Settable."""
+        return self.sync.grouped
+
+    @grouped.setter
+    def grouped(self, value: bool) -> None:
+        self.sync.grouped = value
 
     def __init__(self, params, inner=None, sync_every: int = 15, topk: int = 128, chunk: int = 64,
                  values: str = "2bit", transform: str = "identity", indices: str = "packed",
@@ -196,179 +195,13 @@ class SparseLoCo(DiLoCo):
                  process_group=None, overlap: bool = False, delay: int = 1, eager: bool = True,
                  eager_scale: float = 1.0, clip: str | None = None):
         check_sync_every(sync_every)
-        self.compressor = _check(topk, chunk, values, transform, indices, error_decay, outer_lr, aggregate)
+        compressor = _check(topk, chunk, values, transform, indices, error_decay, outer_lr, aggregate)
         if not isinstance(eager, bool):
             raise ValueError(f"eager must be True or False, got {eager!r}")
-        self.eager_scale = _check_eager_scale(eager_scale)
-        self.clip = check_clip(clip)
-        if self.clip and not joins(self.compressor, ()):
+        eager_scale, clip_rule = _check_eager_scale(eager_scale), check_clip(clip)
+        if clip_rule and not joins(compressor, ()):
             raise ValueError(f"clip={clip!r} runs on the grouped path, which needs transform 'identity' and values "
                              f"'2bit' or '8bit', got transform={transform!r}, values={values!r}")
-        self.error_decay, self.aggregate, self.eager, self._eager_jumped = float(error_decay), aggregate, eager, False
-        self._own_sent = None        # what receivers decode of this rank's row (per parameter), encode to landing
-        self._flat, self._mean = None, None          # FlatSparseLoCo of the layout; Δ̄'s scratch
-        self.grouped = True                          # False: the per-tensor path, the reference (`sparseloco_groups`)
-        self._arrived = None                         # (rows, their grouped read) from `_arrival`, until `_apply`
-        self._grouped = self._grouped_key = None     # GroupedSparseLoCo of the layout, and what it was built for
-        self._dtypes = None                          # its tensors by dtype, narrow scratches (`sparseloco_groups.Dtypes`)
-        super().__init__(params, inner=inner, sync_every=sync_every, outer_lr=outer_lr, outer_momentum=0.0,
-                         wire="fp32", nonfinite=nonfinite, process_group=process_group, overlap=overlap,
-                         delay=delay)
-        self._message = GatherAll(self.comm)        # every parameter's payload in one message
-
-    def _describe(self, layout: list[Member]) -> str:
-        c = self.compressor
-        head = (f"{self.kind} world_size={self.comm.world_size} K={self.sync_every} topk={c.topk} chunk={c.chunk} "
-                f"values={c.codec.name} indices={c.indices} transform={c.transform.kind} beta={self.error_decay} "
-                f"alpha={self.outer_lr} aggregate={self.aggregate} delay={self.delay}"
-                + ("" if self.clip is None else f" clip={self.clip}"))
-        return "\n".join([head, *(f"{tuple(p.shape)} {p.dtype}" for _, p, _ in layout)])
-
-    def _exchange(self, step: int, layout: list[Member]):
-        if step % self.sync_every or not layout:
-            return None                                             # a local step
-        nbytes = sum(self.compressor.payload_nbytes(m.param.shape) for m in layout)
-        self._message.resize(len(layout), nbytes, layout[0].param.device)
-        return self._message
-
-    def _prepare(self, step: int, layout: list[Member]) -> None:
-        super()._prepare(step, layout)                              # θ₀
-        for _, p, key in layout:
-            if "error" not in self.state[key]:
-                self.state[key]["error"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-
-    def _flat_for(self, layout: list[Member]) -> FlatSparseLoCo:
-        """The compressor over this layout's tensors end to end, rebuilt when the layout changes."""
-        shapes, device = [tuple(m.param.shape) for m in layout], layout[0].param.device
-        if self._flat is None or self._flat.shapes != shapes or self._flat.device != torch.device(device):
-            self._flat = FlatSparseLoCo(self.compressor, shapes, device)
-        return self._flat
-
-    def _encode(self, step: int, layout: list[Member], exchange) -> None:
-        """The local step; at a sync, then every parameter's Δ̂ into the message and e' aside
-        (grouped: `sparseloco_groups.encode`)."""
-        if exchange is not None and self.clip:               # before anything moves or is sent
-            sparseloco_groups.check_clip_layout(self, layout)
-        self._local_step(step, layout)
-        if exchange is not None and self.grouped:
-            sparseloco_groups.encode(self, step, layout, exchange.payload)
-        elif exchange is not None:
-            self._encode_per_tensor(step, layout, exchange)
-
-    def _encode_per_tensor(self, step: int, layout: list[Member], exchange) -> None:
-        """e and |e| of every parameter, one top-k over them (`FlatSparseLoCo.select`), then each
-        parameter's values, e' and eager jump (each pass over it while it is in cache)."""
-        flat, places = self._flat_for(layout), spans(m.param.numel() for m in layout)
-        n, device = places[-1].stop, layout[0].param.device
-        self._unsent = reuse(self._unsent, n, torch.float32, device)
-        if self._eager_now:
-            self._x = reuse(self._x, n, torch.float32, device)
-        if self.delay > 1:
-            self._launched = reuse(self._launched, n, torch.float32, device)
-        self._own_sent = {}
-        for i, ((_, p, key), elements) in enumerate(zip(layout, places)):
-            state, x = self.state[key], elements.of(self._unsent).view(p.shape)   # [*p.shape] float32: e, then e'
-            # Δ = θ₀ − θ
-            _difference(state["anchor"], p, out=x)
-            # e = β e + Δ
-            x.add_(state["error"], alpha=self.error_decay)
-            flat.stage(i, x)                                                   # |e| for TopK
-        flat.select()
-        for i, ((_, p, key), elements) in enumerate(zip(layout, places)):
-            state, x = self.state[key], elements.of(self._unsent).view(p.shape)
-            # Δ̂ = Q(TopK(e)): this rank's row of the message, and what receivers decode of it
-            sent = self._own_sent[i] = flat.encode(i, x, exchange.payload, step)
-            # e' = e − Δ̂, committed when the sync lands
-            _subtract_sent(x, sent)
-            if self._eager_now:
-                elements.of(self._x).view(p.shape).copy_(p)        # θ before the jump: a sync not made puts it back
-                # θ ← θ₀ − c α Δ̂_r: this rank's own message, its estimate of the θ₀ the sync brings
-                p.copy_(state["anchor"])
-                _subtract_sent(p, sent, self.eager_scale * self.outer_lr)
-            if self.delay > 1:
-                # θ_s, kept until the sync lands (here, not in `_launch`: while p is in cache)
-                elements.of(self._launched).view(p.shape).copy_(p)
-        flat.write(exchange.payload)
-        self._eager_jumped = self._eager_now
-
-    @property
-    def _eager_now(self) -> bool:
-        return self.eager and self.delay > 1
-
-    def _discard(self, step: int, layout: list[Member], exchange) -> None:
-        """A sync made on no rank: an eager jump is undone, θ ← θ + (θ_before − θ_s)."""
-        self._own_sent = self._arrived = None
-        if not self._eager_jumped:
-            return
-        self._eager_jumped = False
-        for (_, p, _), elements in zip(layout, spans(m.param.numel() for m in layout)):
-            before = elements.of(self._x).view(p.shape)
-            p.copy_(before.sub_(elements.of(self._launched).view(p.shape)).add_(p))
-
-    def _keep_own(self, step: int, layout: list[Member], exchange) -> None:
-        """This rank's message missed the store round: the landing commits e' + Δ̂_r instead of
-        e' (= β e + Δ to float rounding: the unsent residual and the message), so nothing it
-        computed is lost; θ₀ and θ move with the others' messages, as on every site."""
-        if self.grouped:
-            sparseloco_groups.add_own(self, step, layout, exchange.payload[None])
-        else:
-            for (_, p, _), elements, sent in zip(layout, spans(m.param.numel() for m in layout),
-                                                 self._own_sent.values()):
-                _subtract_sent(elements.of(self._unsent).view(p.shape), sent, -1.0)     # e' + Δ̂_r
-        self._own_sent = None                    # its row is not among those the landing reads
-
-    def _pending_state(self, record) -> dict:
-        """A checkpoint with a sync in flight keeps e', the error its apply commits."""
-        unsent = {} if self._unsent is None else {"unsent": self._unsent.clone()}   # None: flagged, never applied
-        jump = {"before_jump": self._x.clone()} if self._eager_jumped else {}
-        return {**self._pending_launch(), **unsent, **jump}
-
-    def _load_pending_state(self, record, saved: dict) -> None:
-        self._load_pending_launch(record, saved)
-        self._own_sent = None                                       # the landing reads every row's bytes
-        device = record.layout[0].param.device
-        self._eager_jumped = "before_jump" in saved or "eager_jump" in saved
-        if "before_jump" in saved:
-            self._x = saved["before_jump"].to(device).clone()
-        elif "eager_jump" in saved:          # written before 'before_jump': θ_before − θ_s, to float rounding
-            self._x = saved["eager_jump"].to(device).add(self._launched)
-        if "unsent" in saved:
-            self._unsent = saved["unsent"].to(device).clone()
-
-    def _arrival(self, step: int, layout: list[Member], delivery) -> list[torch.Tensor]:
-        """Grouped: every rank's rows read and checked on the device, flags for the envelope's
-        one host read; `_apply` lands what was read here."""
-        if not self.grouped:
-            return []
-        self._arrived = (delivery.data, sparseloco_groups.read(self, layout, delivery.data))
-        return self._arrived[1][2]
-
-    def _apply(self, step: int, layout: list[Member], delivery) -> None:
-        rows, self._eager_jumped = delivery.data, False             # [R, payload bytes], rank order
-        own, self._own_sent = self._own_sent, None
-        if delivery.rows is not None:                               # a store round without some ranks:
-            own = None                                              # rows are not indexed by rank
-        arrived, self._arrived = self._arrived, None
-        if self.grouped:
-            read = arrived[1] if arrived is not None and arrived[0] is rows else None   # else not read by `_arrival`
-            sparseloco_groups.apply(self, step, layout, rows, read)
-            return
-        flat, places = self._flat_for(layout), spans(m.param.numel() for m in layout)
-        # every row's kept values, this rank's as its encode left them
-        decoded = flat.decode(rows, None if own is None else (self.comm.rank, own))
-        for i, ((_, p, key), elements) in enumerate(zip(layout, places)):
-            state = self.state[key]
-            # Δ̄ = (1/R) Σ_r Δ̂_r, summed in rank order  [*p.shape] float32
-            mean = flat.mean(i, decoded, rows, step, self.aggregate, self._mean_of(p))
-            # e ← e'
-            state["error"].copy_(elements.of(self._unsent).view(p.shape))
-            # θ₀ ← θ₀ − α Δ̄   (× 1 is exact: skipped)
-            state["anchor"].sub_((mean if self.outer_lr == 1.0 else mean.mul_(self.outer_lr)).to(state["anchor"].dtype))
-            # θ ← θ₀   (delay > 1: θ ← θ₀ + (θ − θ_s))
-            self._rejoin(p, state["anchor"], elements)
-
-    def _mean_of(self, p: torch.Tensor) -> torch.Tensor:
-        """A float32 scratch of p's shape for its Δ̄, reused across parameters and syncs."""
-        if self._mean is None or self._mean.numel() < p.numel() or self._mean.device != p.device:
-            self._mean = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
-        return self._mean[: p.numel()].view(p.shape)
+        check_delay(delay, sync_every, overlap)
+        sync = SparseTopKSync(compressor, error_decay, outer_lr, aggregate, eager, eager_scale, clip_rule, delay)
+        self._init_local_steps(params, inner, process_group, nonfinite, sync_every, sync, overlap, delay)

@@ -14,6 +14,9 @@ module docstring) with a number of operations that does not grow with the parame
                                     flat Δ̄; one division
     e ← e';  θ₀ ← θ₀ − α Δ̄;  θ ← θ₀ (+ θ − θ_s)   `_foreach_*` ops
 
+Each function takes the rule (`sync`, a `SparseTopKSync`: its settings, e', the scratches) and,
+where it reads self.state or θ_s, the optimizer (`host`, `thinwire.optim.periodic`).
+
 A parameter joins when it is float32, bfloat16 or float16 and `sparseloco_grouped.joins` its
 shape ('identity' top-k, '2bit' or '8bit' values; padded chunks too); the others go tensor by tensor as
 on the per-tensor path (`SparseLoCo.grouped = False` sends every parameter there: the
@@ -122,20 +125,20 @@ class Dtypes:
             self.land(dst_views, members)
 
 
-def grouped_for(opt, layout: list[Member]) -> GroupedSparseLoCo:
-    """The layout's grouped compressor (and `opt._dtypes`), rebuilt when its shapes, dtypes or
+def grouped_for(sync, layout: list[Member]) -> GroupedSparseLoCo:
+    """The layout's grouped compressor (and `sync._dtypes`), rebuilt when its shapes, dtypes or
     device change."""
     key = tuple((tuple(m.param.shape), m.param.dtype) for m in layout), layout[0].param.device
-    if opt._grouped_key != key:
+    if sync._grouped_key != key:
         eligible = [m.param.dtype in JOINING for m in layout]
-        g = GroupedSparseLoCo(opt.compressor, [m.param.shape for m in layout], key[1], eligible)
-        opt._dtypes = Dtypes(layout, g, g.offsets[-1] + layout[-1].param.numel(), key[1])
-        opt._grouped, opt._grouped_key = g, key
-    return opt._grouped
+        g = GroupedSparseLoCo(sync.compressor, [m.param.shape for m in layout], key[1], eligible)
+        sync._dtypes = Dtypes(layout, g, g.offsets[-1] + layout[-1].param.numel(), key[1])
+        sync._grouped, sync._grouped_key = g, key
+    return sync._grouped
 
 
 def _difference(k: Dtypes, x: torch.Tensor, xs, anchors, params) -> None:
-    """x = θ₀ − θ, float32, every tensor (as `sparseloco._difference`). A narrow scratch keeps θ
+    """x = θ₀ − θ, float32, every tensor (as `sparseloco_sync._difference`). A narrow scratch keeps θ
     afterwards (`_launch` and θ before the jump take it from there)."""
     for d, members in k.narrow.items():
         low, lows, work = k.low[d], k.lows[d], k.work(x)
@@ -150,73 +153,73 @@ def _difference(k: Dtypes, x: torch.Tensor, xs, anchors, params) -> None:
         torch._foreach_sub_(_pick(xs, rest), _pick(params, rest))
 
 
-def encode(opt, step: int, layout: list[Member], payload: torch.Tensor) -> None:
+def encode(sync, host, step: int, layout: list[Member], payload: torch.Tensor) -> None:
     """The sync's message and e' aside (and with delay > 1: θ_s, the eager jump), grouped."""
-    g, device = grouped_for(opt, layout), layout[0].param.device
-    k = opt._dtypes
+    g, device = grouped_for(sync, layout), layout[0].param.device
+    k = sync._dtypes
     n = g.offsets[-1] + layout[-1].param.numel()
-    opt._unsent, opt._mean = reuse(opt._unsent, n, torch.float32, device), reuse(opt._mean, n, torch.float32, device)
-    states, params = [opt.state[m.key] for m in layout], [m.param for m in layout]
-    xs, anchors = _views(opt._unsent, g, layout), [st["anchor"] for st in states]
+    sync._unsent, sync._mean = reuse(sync._unsent, n, torch.float32, device), reuse(sync._mean, n, torch.float32, device)
+    states, params = [host.state[m.key] for m in layout], [m.param for m in layout]
+    xs, anchors = _views(sync._unsent, g, layout), [st["anchor"] for st in states]
     # Δ = θ₀ − θ   (float32, exact for bf16 θ)
-    _difference(k, opt._unsent, xs, anchors, params)
+    _difference(k, sync._unsent, xs, anchors, params)
     # e = β e + Δ
-    torch._foreach_add_(xs, [st["error"] for st in states], alpha=opt.error_decay)
-    g.select(opt._unsent, opt._mean)                        # the Δ̄ scratch as the stage: free until landing
-    positions, sent = g.encode(opt._unsent, payload)
+    torch._foreach_add_(xs, [st["error"] for st in states], alpha=sync.error_decay)
+    g.select(sync._unsent, sync._mean)                        # the Δ̄ scratch as the stage: free until landing
+    positions, sent = g.encode(sync._unsent, payload)
     # e' = e − Δ̂, committed when the sync lands: a + (−1)·v is a − v exactly, positions distinct
-    opt._unsent.index_add_(0, positions, sent, alpha=-1.0)
-    if opt.delay > 1:
-        opt._launched = reuse(opt._launched, n, torch.float32, device)
-        if opt._eager_now:
+    sync._unsent.index_add_(0, positions, sent, alpha=-1.0)
+    if host.delay > 1:
+        host._launched = reuse(host._launched, n, torch.float32, device)
+        if sync.jumps:
             # θ before the jump: a sync not made puts it back (narrow: from the scratch, θ since Δ)
-            opt._x = reuse(opt._x, n, torch.float32, device)
-            before = _views(opt._x, g, layout)
-            k.widen(opt._x, before)
+            sync._x = reuse(sync._x, n, torch.float32, device)
+            before = _views(sync._x, g, layout)
+            k.widen(sync._x, before)
             rest = k.wide + k.other
             if rest:
                 torch._foreach_copy_(_pick(before, rest), _pick(params, rest))
-        _launch(opt, g, layout, positions, sent)            # before the tensors alone: it writes their θ_s places
+        _launch(sync, host, g, layout, positions, sent)     # before the tensors alone: it writes their θ_s places
     for i in g.alone:                                       # tensor by tensor (their Sent shares a scratch)
-        _alone(opt, step, g, layout[i].param, anchors[i], xs[i], i, payload)
-    opt._own_sent, opt._eager_jumped = None, opt._eager_now
+        _alone(sync, host, step, g, layout[i].param, anchors[i], xs[i], i, payload)
+    sync._own_sent, sync._eager_jumped = None, sync.jumps
 
 
-def _alone(opt, step: int, g: GroupedSparseLoCo, p, anchor, x, i: int, payload) -> None:
+def _alone(sync, host, step: int, g: GroupedSparseLoCo, p, anchor, x, i: int, payload) -> None:
     """A tensor that cannot join: its Δ̂ into the message, e', and θ_s / the jump, as per tensor."""
-    sent = opt.compressor.encode_sent(x, g.payloads[i].of(payload), step)
+    sent = sync.compressor.encode_sent(x, g.payloads[i].of(payload), step)
     _subtract_sent(x, sent)                                 # e' = e − Δ̂
-    if opt._eager_now:
+    if sync.jumps:
         # θ ← θ₀ − c α Δ̂_r, in the parameter's dtype
         p.copy_(anchor)
-        _subtract_sent(p, sent, opt.eager_scale * opt.outer_lr)
-    if opt.delay > 1:
-        kept = opt._launched[g.offsets[i]: g.offsets[i] + p.numel()].view(p.shape)
+        _subtract_sent(p, sent, sync.eager_scale * sync.outer_lr)
+    if host.delay > 1:
+        kept = host._launched[g.offsets[i]: g.offsets[i] + p.numel()].view(p.shape)
         kept.copy_(p)                                       # θ_s
 
 
-def _launch(opt, g: GroupedSparseLoCo, layout: list[Member], positions, sent) -> None:
+def _launch(sync, host, g: GroupedSparseLoCo, layout: list[Member], positions, sent) -> None:
     """θ_s of the joined tensors kept until the sync lands; with `eager`, the jump first. The
     places of the tensors alone are written over: `_alone` writes them after."""
     if not g.tensors:
         return
-    k, params, launched = opt._dtypes, [m.param for m in layout], _views(opt._launched, g, layout)
+    k, params, launched = sync._dtypes, [m.param for m in layout], _views(host._launched, g, layout)
     wide = k.joined[torch.float32]
-    if not opt._eager_now:
-        k.widen(opt._launched, launched)                    # θ_s = θ: the narrow scratches hold θ since Δ
+    if not sync.jumps:
+        k.widen(host._launched, launched)                   # θ_s = θ: the narrow scratches hold θ since Δ
         if wide:
             torch._foreach_copy_(_pick(launched, wide), _pick(params, wide))
         return
-    anchors = [opt.state[m.key]["anchor"] for m in layout]
-    scale = opt.eager_scale * opt.outer_lr
+    anchors = [host.state[m.key]["anchor"] for m in layout]
+    scale = sync.eager_scale * sync.outer_lr
     if wide:
         # θ_s = θ₀ − c α Δ̂_r in the flat θ_s (at every kept position: the narrow places are
         # written after), then θ ← θ_s
         torch._foreach_copy_(_pick(launched, wide), _pick(anchors, wide))
         if scale == 1.0:                                    # a + (−1)·v: exact, as a + (−v)
-            opt._launched.index_add_(0, positions, sent, alpha=-1.0)
+            host._launched.index_add_(0, positions, sent, alpha=-1.0)
         else:                                               # the product rounded first, as per tensor
-            opt._launched.index_add_(0, positions, sent.mul(scale).neg_())
+            host._launched.index_add_(0, positions, sent.mul(scale).neg_())
         torch._foreach_copy_(_pick(params, wide), _pick(launched, wide))
     over = False
     for d in k.narrow:
@@ -229,53 +232,53 @@ def _launch(opt, g: GroupedSparseLoCo, layout: list[Member], positions, sent) ->
         torch._foreach_copy_(_pick(lows, members), _pick(anchors, members))
         low.index_add_(0, positions, sent.mul(-scale).to(d))
         torch._foreach_copy_(_pick(params, members), _pick(lows, members))
-        k.work(opt._launched).copy_(low)                    # θ_s, widened exactly
+        k.work(host._launched).copy_(low)                   # θ_s, widened exactly
         k.land(launched, members)
         over = over or k.spare is None
     if wide and over:                                       # the whole-buffer cast wrote the float32 places
         torch._foreach_copy_(_pick(launched, wide), _pick(params, wide))
 
 
-def read(opt, layout: list[Member], rows: torch.Tensor) -> tuple:
+def read(sync, layout: list[Member], rows: torch.Tensor) -> tuple:
     """Every rank's row [R, payload bytes] of the joined tensors: (positions [R, K], values
     [R, K], device flags of malformed bytes)."""
-    return grouped_for(opt, layout).read(rows)
+    return grouped_for(sync, layout).read(rows)
 
 
-def apply(opt, step: int, layout: list[Member], rows: torch.Tensor, arrived: tuple | None = None) -> None:
+def apply(sync, host, step: int, layout: list[Member], rows: torch.Tensor, arrived: tuple | None = None) -> None:
     """Δ̄ from every rank's row (rank order), then e ← e', θ₀ ← θ₀ − α Δ̄, θ ← θ₀ (+ θ − θ_s).
     arrived: `read`'s answer, checked by the envelope's one host read; without it the rows are
     read and checked here (one host read), before anything moves."""
-    g, device = grouped_for(opt, layout), layout[0].param.device
-    k = opt._dtypes
+    g, device = grouped_for(sync, layout), layout[0].param.device
+    k = sync._dtypes
     if arrived is None:
         arrived = g.read(rows)
         raise_malformed(checks.any_of(arrived[2]), f" at step {step}")
     positions, values, _ = arrived
-    if opt.clip and rows.shape[0] > 1:                      # each sender's tensors to the median norm (1 row: × 1)
+    if sync.clip and rows.shape[0] > 1:                      # each sender's tensors to the median norm (1 row: × 1)
         values = clip_rows(values, g.segment.row, g.segment.lengths)
-    n = opt._unsent.numel()
-    mean = opt._mean = reuse(opt._mean, n, torch.float32, device)
+    n = sync._unsent.numel()
+    mean = sync._mean = reuse(sync._mean, n, torch.float32, device)
     means = _views(mean, g, layout)
     mean.zero_()
     for r in range(rows.shape[0]):                          # Σ_r Δ̂_r in rank order: no atomics across ranks
         mean.index_add_(0, positions[r], values[r])
-    if opt.aggregate == "mean":
+    if sync.aggregate == "mean":
         mean.div_(rows.shape[0])
     else:                                                   # 'senders': each element over the ranks that sent it
-        counts = opt.compressor.scratch(n, device)[:n].zero_()
+        counts = sync.compressor.scratch(n, device)[:n].zero_()
         padding = g.received_padding                        # a value in a padding counts 0 at position 0
         for r in range(rows.shape[0]):
             counts.index_add_(0, positions[r], torch.ones_like(values[r]) if padding is None else (~padding[r]).float())
         mean.div_(counts.clamp_(min=1))
     for i in g.alone:
-        means[i].copy_(alone_mean(opt.compressor, g.shapes[i], g.payloads[i], rows, step, opt.aggregate).view(g.shapes[i]))
-    states = [opt.state[m.key] for m in layout]
+        means[i].copy_(alone_mean(sync.compressor, g.shapes[i], g.payloads[i], rows, step, sync.aggregate).view(g.shapes[i]))
+    states = [host.state[m.key] for m in layout]
     anchors = [st["anchor"] for st in states]
     # e ← e'
-    torch._foreach_copy_([st["error"] for st in states], _views(opt._unsent, g, layout))
-    if opt.outer_lr != 1.0:                                 # × 1 is exact: skipped
-        mean.mul_(opt.outer_lr)
+    torch._foreach_copy_([st["error"] for st in states], _views(sync._unsent, g, layout))
+    if sync.outer_lr != 1.0:                                 # × 1 is exact: skipped
+        mean.mul_(sync.outer_lr)
     # θ₀ ← θ₀ − α Δ̄   (narrow: α Δ̄ rounded to θ₀'s dtype first, as per tensor)
     if k.wide:
         torch._foreach_sub_(_pick(anchors, k.wide), _pick(means, k.wide))
@@ -285,47 +288,47 @@ def apply(opt, step: int, layout: list[Member], rows: torch.Tensor, arrived: tup
     for i in k.other:
         anchors[i].sub_(means[i].to(anchors[i].dtype))
     # θ ← θ₀   (delay > 1: θ ← θ₀ + (θ − θ_s))
-    _rejoin(opt, g, layout, anchors)
+    _rejoin(sync, host, g, layout, anchors)
 
 
-def check_clip_layout(opt, layout: list[Member]) -> None:
+def check_clip_layout(sync, layout: list[Member]) -> None:
     """ValueError unless every tensor of `layout` can be clipped: the median-norm clip runs on
     the grouped landing (`apply`), and the per-tensor code (`alone`, or grouped False) has none."""
-    if not opt.grouped:
-        raise ValueError(f"clip={opt.clip!r} runs on the grouped path only: set grouped back to True")
-    g = grouped_for(opt, layout)
+    if not sync.grouped:
+        raise ValueError(f"clip={sync.clip!r} runs on the grouped path only: set grouped back to True")
+    g = grouped_for(sync, layout)
     if g.alone:
-        raise ValueError(f"clip={opt.clip!r} runs on the grouped path only, and these parameters are not "
+        raise ValueError(f"clip={sync.clip!r} runs on the grouped path only, and these parameters are not "
                          f"float32, bf16 or fp16: {[g.shapes[i] for i in g.alone]}")
 
 
-def add_own(opt, step: int, layout: list[Member], own: torch.Tensor) -> None:
+def add_own(sync, step: int, layout: list[Member], own: torch.Tensor) -> None:
     """e' ← e' + Δ̂_r, Δ̂_r read from this rank's own row `own` [1, payload bytes] as every
     receiver reads it (a message that missed its store round goes back into e)."""
-    g = grouped_for(opt, layout)
+    g = grouped_for(sync, layout)
     positions, values, _ = g.read(own)
-    opt._unsent.index_add_(0, positions[0], values[0])     # positions distinct, as in `apply`
-    xs = _views(opt._unsent, g, layout)
+    sync._unsent.index_add_(0, positions[0], values[0])     # positions distinct, as in `apply`
+    xs = _views(sync._unsent, g, layout)
     for i in g.alone:
-        xs[i].add_(alone_mean(opt.compressor, g.shapes[i], g.payloads[i], own, step, "mean").view(g.shapes[i]))
+        xs[i].add_(alone_mean(sync.compressor, g.shapes[i], g.payloads[i], own, step, "mean").view(g.shapes[i]))
 
 
-def _rejoin(opt, g: GroupedSparseLoCo, layout: list[Member], anchors) -> None:
+def _rejoin(sync, host, g: GroupedSparseLoCo, layout: list[Member], anchors) -> None:
     """`PeriodicAveraging._rejoin` of every tensor: float32 and other dtypes by `_rejoin_all`
     first (it reads θ_s), then each narrow dtype through its scratch."""
-    k, params = opt._dtypes, [m.param for m in layout]
+    k, params = sync._dtypes, [m.param for m in layout]
     slots = slots_of(layout)
     if k.wide or k.other:
-        opt._rejoin_all(_pick(slots, k.wide) + _pick(slots, k.other))
+        host._rejoin_all(_pick(slots, k.wide) + _pick(slots, k.other))
     for d, members in k.narrow.items():
         low, lows = k.low[d], k.lows[d]
-        if opt.delay == 1:                                  # θ ← θ₀
+        if host.delay == 1:                                  # θ ← θ₀
             torch._foreach_copy_(_pick(params, members), _pick(anchors, members))
             continue
         # θ − θ_s + θ₀ in float32 (θ, θ₀ widened exactly), rounded once to θ's dtype
-        work = k.work(opt._launched)                        # θ_s itself with one narrow dtype: read for the last time
+        work = k.work(host._launched)                       # θ_s itself with one narrow dtype: read for the last time
         torch._foreach_copy_(_pick(lows, members), _pick(params, members))
-        torch.sub(low, opt._launched, out=work)
+        torch.sub(low, host._launched, out=work)
         torch._foreach_copy_(_pick(lows, members), _pick(anchors, members))
         work.add_(low)
         low.copy_(work)
