@@ -10,8 +10,8 @@ import torch
 import thinwire
 from thinwire.audit import StepAudit
 
-# chunk 64: groups of (h, w, C) (64, 64, 64), (64, 64, 192), (1, 64, 64) (both vectors: one-row chunks of any
-# width lie end to end); (97, 64) pads its rows to 128 ((100, 64) takes chunks of 50 rows); (37, 24) and (37,) are
+# chunk 64: groups of chunk shape (64, 64) (bands of 64 and 192 columns) and (1, 64) (both vectors: one-row chunks
+# of any width lie end to end); (97, 64) pads its rows to 128 ((100, 64) takes chunks of 50 rows); (37, 24) and (37,) are
 # chunks of their own; (10, 37) pads its columns (chunk 16) and stays on the per-tensor path. The vectors have 12
 # and 16 chunk rows: MKL's sgemm computes a row alike in calls of any height from 12 rows on (below, the last
 # rows % 4 of a call take other kernels: `test_one_row_chunks_of_any_width_share_a_group`)
@@ -117,12 +117,26 @@ def test_one_row_chunks_of_any_width_share_a_group():
     ours, opt, sent = _run(True, shapes=shapes, **kw)
     ref, _, ref_sent = _run(False, shapes=shapes, **kw)
     [group] = opt._groups[1].groups
-    assert group.members == [0, 1, 2] and tuple(group.momentum.shape) == (16, 64)
+    assert group.members == [0, 1, 2] and group.momentum.numel() == 16 * 64
+    assert [(p.padded_rows, p.padded_cols) for p in group.chunks.bands.plans] == [(16, 64)]
     assert [tuple(v.shape) for v in group.views] == [(1, 64), (1, 192), (1, 768)]
     for p, q in zip(ours, ref):
         assert torch.equal(p, q)
     for a, b in zip(sent, ref_sent):
         assert torch.equal(a, b)
+
+
+def test_matrices_of_one_chunk_shape_share_a_group_band_by_band():
+    """SHAPES' 64 x 64 chunks: one group whose members of 64 columns form one band and the
+    (64, 192) another (members ordered by band), each state a view of the one flat momentum;
+    `test_groups_follow_the_per_tensor_path_bit_for_bit` holds its arithmetic."""
+    params, opt, _ = _run(True, steps=1)
+    group = opt._groups[1].groups[0]
+    shapes = [tuple(params[i].shape) for i in group.members]
+    assert shapes == [(128, 64), (256, 64), (97, 64), (64, 64), (64, 192)]
+    assert [(p.padded_rows, p.padded_cols) for p in group.chunks.bands.plans] == [(128 + 256 + 128 + 64, 64), (64, 192)]
+    for i, view in zip(group.members, group.views):
+        assert opt.state[params[i]]["momentum"].data_ptr() == view.data_ptr()
 
 
 def test_a_padded_column_shape_stays_on_the_per_tensor_path():
@@ -202,5 +216,7 @@ def test_a_step_not_skipped_leaves_the_momentum_exactly_as_it_was():
     demo_groups.put_back(g, slots, 3, positions, values, torch.tensor(False))
     assert torch.equal(g.momentum, before)
     demo_groups.put_back(g, slots, 3, positions, values, torch.tensor(True))
-    strip = slice(g.padded[0][1].padded_rows - g.padded[0][1].chunk_rows, g.padded[0][1].padded_rows)
-    assert not torch.equal(g.momentum[strip], before[strip])          # projected where it is skipped
+    view, plan = g.padded[0]                                          # the padded member's image in the momentum
+    strip = view[plan.padded_rows - plan.chunk_rows:]
+    at = strip.data_ptr() // strip.element_size() - g.momentum.data_ptr() // g.momentum.element_size()
+    assert not torch.equal(strip.reshape(-1), before[at: at + strip.numel()])   # projected where it is skipped

@@ -1,14 +1,13 @@
-"""Many tensors of one chunk geometry as one: `ChunkGroup` stacks their coefficient images and
-runs `ChunkedTopK`'s steps once per group instead of once per tensor.
+"""Many tensors of one chunk shape as one: `ChunkGroup` stacks their coefficient images in one
+flat buffer and runs `ChunkedTopK`'s steps once per group instead of once per tensor.
 
-Tensors whose plans share the chunk shape h × w and the padded column count C (and pad no
-columns) stack on their rows: image i [R_i, C] sits at rows [r_i, r_i + R_i) of the group's
-image [ΣR_i, C], and chunk (a, b) of tensor i is chunk (r_i / h + a, b) of the group, so the
-group's chunks in row-major order are tensor 0's, then tensor 1's, ... Both transforms are
-then one GEMM over [ΣR_i · C / w, w] and one batched GEMM over the ΣR_i / h row blocks, the
-top-k one call over all chunks, the packing one call per stream. Tensors of one-row chunks
-(h = 1) join whatever their widths: an image [R_i, C_i] of chunks 1 × w is its chunks end
-to end, so it sits in a group's image [Σ R_i C_i / w, w] as R_i C_i / w rows (`geometry`).
+Tensors whose plans share the chunk shape h × w (and pad no columns) join one group. Those of
+one column count C stack on their rows into a band [R_j, C_j] (image i at rows [r_i, r_i +
+R_i) of its band; tensors of one-row chunks lie end to end, so they count as C = w whatever
+their widths: `geometry`), and the bands lie end to end (`thinwire.compress.chunk_bands`).
+The group's chunks in order are band 0's (its tensors' in turn, each row-major over its
+chunk grid), then band 1's, ... The right GEMM of both transforms, the top-k, the packing and
+the decoding run once per group; only the left GEMM and the |·| pass run once per band.
 
 The message keeps each tensor's own wire format at its own place (`ChunkedTopK`'s, byte for
 byte): a group packs its indices, scales and values once, as streams over all its chunks,
@@ -24,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..wire import VALUE_FORMATS, checks, index_width
-from .chunking import ChunkPlan
+from .chunk_bands import Bands
 from .topk import ChunkedTopK
 
 
@@ -39,7 +38,7 @@ def groupable(comp: ChunkedTopK, shape) -> bool:
 
 
 def geometry(comp: ChunkedTopK, shape) -> tuple[int, int, int]:
-    """What tensors of one group share: (h, w, the group image's columns C). One-row chunks
+    """(h, w, C): tensors of one (h, w) share a group, those of one C a band. One-row chunks
     (h = 1: biases, norms) lie end to end in row-major order, so such an image [R, C] is
     also [R·C / w, w] with the same chunks in the same order: those tensors share C = w,
     whatever their own widths."""
@@ -49,18 +48,21 @@ def geometry(comp: ChunkedTopK, shape) -> tuple[int, int, int]:
 
 
 class ChunkGroup:
-    """Tensors of `shapes` (one `geometry`, each `groupable`) whose payloads start at
-    `offsets` in a message of `nbytes` bytes."""
+    """Tensors of `shapes` (one chunk shape h × w, each `groupable`) whose payloads start at
+    `offsets` in a message of `nbytes` bytes. Consecutive tensors of one `geometry` C form a
+    band (`thinwire.compress.chunk_bands`): give those of one C together, for fewer bands."""
 
     def __init__(self, comp: ChunkedTopK, shapes: list[tuple], offsets: list[int], nbytes: int, device):
         self.comp, self.shapes, self.nbytes, self.device = comp, [tuple(s) for s in shapes], nbytes, device
         plans = [comp.plan(s) for s in self.shapes]
-        h, w, cols = geometry(comp, self.shapes[0])
+        h, w, _ = geometry(comp, self.shapes[0])
+        if any(geometry(comp, s)[:2] != (h, w) for s in self.shapes):
+            raise ValueError(f"a ChunkGroup's tensors share one chunk shape, got {self.shapes}")
         self.images = [(plan.padded_rows, plan.padded_cols) for plan in plans]   # each tensor's own image
-        self.rows = [plan.padded_numel // cols for plan in plans]                # its rows in the group's
-        self.starts = [sum(self.rows[:i]) for i in range(len(plans))]
-        total = sum(self.rows)
-        self.plan = ChunkPlan((total, cols), total, cols, h, w, total, cols)   # the stacked images
+        self.sizes = [plan.padded_numel for plan in plans]
+        self.starts = [sum(self.sizes[:i]) for i in range(len(plans))]          # its place in the flat image
+        self.bands = Bands(_runs([geometry(comp, s)[2] for s in self.shapes], self.sizes), h, w, device)
+        self.numel = self.bands.numel
         self.k = comp.k(self.shapes[0])
         self.coding = comp.coding(self.shapes[0])
         self.bits = index_width(h * w)
@@ -103,20 +105,19 @@ class ChunkGroup:
         return self._received[world]
 
     def views(self, image: torch.Tensor) -> list[torch.Tensor]:
-        """Tensor i's own image [R_i, C_i]: rows [r_i, r_i + R_i·C_i / C) of the group's
-        image [ΣR_i·C_i / C, C] (contiguous), viewed in its shape (C_i = C unless h = 1)."""
-        return [image[start: start + rows].view(shape)
-                for start, rows, shape in zip(self.starts, self.rows, self.images)]
+        """Tensor i's own image [R_i, C_i] in the group's flat image (contiguous)."""
+        return [image[start: start + size].view(shape)
+                for start, size, shape in zip(self.starts, self.sizes, self.images)]
 
     def crops(self, image: torch.Tensor) -> list[torch.Tensor]:
         """Tensor i's elements [*shape_i] in the group's image (its padding rows dropped)."""
         return [self.comp.plan(s).crop(v) for s, v in zip(self.shapes, self.views(image))]
 
     def send(self, image: torch.Tensor, payload: torch.Tensor, packed: torch.Tensor, scratch: torch.Tensor):
-        """Every chunk's top-k of the group's `image` into each tensor's place in `payload` (the
+        """Every chunk's top-k of the group's flat `image` into each tensor's place in `payload` (the
         message after its prefix), through `packed` (uint8, group_nbytes). Returns
         (positions [chunks, k] in the image, the values as the wire delivers them [chunks, k])."""
-        idx, positions, values = self.comp.select_in(image, self.plan, self.k, scratch)
+        idx, positions, values = self.bands.select(image, self.k, scratch)
         n = sum(self.chunks)
         index_bytes = n * self.per_chunk[0]
         self.coding.pack(idx, out=packed[:index_bytes])
@@ -135,5 +136,16 @@ class ChunkGroup:
         values = self.comp.codec.decode(streams[index_bytes:], n, self.k)
         flags = [f for f in (bad_index, checks.nonfinite(values)) if f is not None]
         # [W · chunks, k] -> [W, chunks, k]: each rank's chunks against the group's chunk origins
-        positions = self.comp.positions(self.plan, idx.view(world, -1, self.k))
+        positions = self.bands.positions(idx.view(world, -1, self.k))
         return positions, values.view(world, -1, self.k), flags
+
+
+def _runs(cols: list[int], sizes: list[int]) -> list[tuple[int, int]]:
+    """Bands (rows, C) of consecutive tensors of one C, from each tensor's C and elements."""
+    bands: list[list[int]] = []
+    for c, size in zip(cols, sizes):
+        if bands and bands[-1][1] == c:
+            bands[-1][0] += size // c
+        else:
+            bands.append([size // c, c])
+    return [(rows, c) for rows, c in bands]

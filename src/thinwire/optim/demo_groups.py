@@ -1,20 +1,20 @@
-"""DeMo's grouped hot path: the parameters of one chunk geometry as one flat momentum, one
+"""DeMo's grouped hot path: the parameters of one chunk shape as one flat momentum, one
 batched transform, one top-k, one pack and one decode per group (`thinwire.compress.chunk_group`).
 
 The same equations as the per-tensor path in `thinwire.optim.demo` (its module docstring):
 
-    T(M) ← β T(M) + w T(g)          one GEMM and one batched GEMM over the group's stacked images
+    T(M) ← β T(M) + w T(g)          one GEMM over the group, one batched GEMM per band (C_j)
     Q_i = Top-k per chunk of T(M)   one top-k over every chunk of the group
     T(M) ← T(M) − α Q̂_i            one index_add_ (indices unique, no two writes meet)
     Δ = T⁻¹(mean_j Q̂_j)            one index_add_ per rank, in rank order, then one inverse transform
     θ ← θ(1 − ηλ) − η φ(Δ)          `_foreach_mul_`, one sign_ over the group, `_foreach_add_`
 
-A group is the parameters of one param group with one (h, w, C) `geometry` (tensors of
-one-row chunks share C = w whatever their widths) that keep their momentum as transform
-coefficients (momentum_domain 'auto'/'transform' with 'dct' or 'identity'), are float32,
-bfloat16 or float16 (one dtype per group) and not sharded, step with base 'signum' or 'sgd',
-and are `groupable` (no padded columns; whole bytes per chunk).
-The others take the per-tensor path.
+A group is the parameters of one param group with one chunk shape h × w (`geometry`; its
+members ordered by band, the tensors of one column count C together, and tensors of one-row
+chunks one band whatever their widths) that keep their momentum as transform coefficients
+(momentum_domain 'auto'/'transform' with 'dct' or 'identity'), are float32, bfloat16 or
+float16 (one dtype per group) and not sharded, step with base 'signum' or 'sgd', and are
+`groupable` (no padded columns; whole bytes per chunk). The others take the per-tensor path.
 
 A bf16 or fp16 group keeps its momentum and Δ in float32, as the per-tensor path does, and
 rounds where that path rounds: its gradients come in through one flat buffer of their dtype
@@ -26,7 +26,7 @@ path's float32 + bf16 ops: 1 − ηλ multiplies as a float32 0-dim tensor (CPU'
 `_foreach_mul_` by a Python number rounds the number to fp16), and on CPU, whose bf16/fp16
 `add_` rounds α = −η to that dtype (a GPU's does not), sign(Δ) is added as
 addcmul(θ, sign, 1, α) (`_add_signs`).
-Each member's `state[p]["momentum"]` is a view [R_i, C] of its group's flat momentum, so
+Each member's `state[p]["momentum"]` is a view [R_i, C_i] of its group's flat momentum, so
 `state_dict` / `load_state_dict` see the per-parameter tensors they always did (a loaded one
 is copied into the group's buffer at the next step).
 
@@ -59,8 +59,8 @@ def eligible(slot, momentum_in_transform) -> bool:
 
 
 class Group:
-    """One group: its `ChunkGroup`, its members (indices into the slots), its flat momentum
-    [ΣR_i, C] and byte scratch, lookahead's copy of the momentum (made on first use), and for
+    """One group: its `ChunkGroup`, its members (indices into the slots, those of one band
+    together), its flat momentum (the bands' images end to end) and byte scratch, lookahead's copy of the momentum (made on first use), and for
     a bf16/fp16 group `low`, a flat buffer of the group's image in the parameters' dtype (the
     gradients on their way in, φ(Δ) on its way out)."""
 
@@ -70,17 +70,17 @@ class Group:
         self.members, self.hyper = members, first.group
         self.chunks = ChunkGroup(first.comp, [slots[i].param.shape for i in members],
                                  [slots[i].offset for i in members], nbytes, device)
-        self.momentum = torch.zeros(self.chunks.plan.padded_rows, self.chunks.plan.padded_cols, device=device)
+        self.momentum = torch.zeros(self.chunks.numel, device=device)
         self.packed = torch.empty(self.chunks.group_nbytes, dtype=torch.uint8, device=device)
         self.ahead: torch.Tensor | None = None
         self.dtype = first.param.dtype
-        self.zeros = torch.zeros(max(self.chunks.rows) * self.chunks.plan.padded_cols, dtype=self.dtype, device=device)
+        self.zeros = torch.zeros(max(self.chunks.sizes), dtype=self.dtype, device=device)
         self.low = (None if self.dtype == torch.float32 else
                     torch.empty(self.momentum.numel(), dtype=self.dtype, device=device))
         self.decay = torch.ones((), device=device)          # 1 − ηλ as a float32 tensor, for `low` groups
         self.zero = torch.zeros((), device=device)          # what a flagged step's gradients are taken as
         self.ones: torch.Tensor | None = None               # `_add_signs` on CPU
-        self.views = self.chunks.views(self.momentum)       # each member's [R_i, C] of the momentum
+        self.views = self.chunks.views(self.momentum)       # each member's [R_i, C_i] of the momentum
         # each chunk's member (the order of `ChunkGroup.received`'s chunks): the median-norm clip's segments
         self.chunk_counts = torch.tensor(self.chunks.chunks)
         self.chunk_tensor = torch.repeat_interleave(torch.arange(len(members)), self.chunk_counts).to(device)
@@ -105,7 +105,7 @@ class Group:
         """What landed in the padding of a padded member's image is dropped; with `where` (0-dim
         bool on the device) only where it is set, the image left bit for bit as it was
         elsewhere (T(P·T⁻¹(·)) is a projection, but in floating point not an exact one). A
-        group pads rows only (`groupable`), so only the last block row [h, C] changes."""
+        group pads rows only (`groupable`), so only the last block row [h, C_i] changes."""
         for view, plan in self.padded:
             strip = view[plan.padded_rows - plan.chunk_rows:]
             kept = None if where is None else strip.clone()
@@ -122,11 +122,13 @@ class Groups:
         self.rest = []
         for i, s in enumerate(slots):
             if eligible(s, momentum_in_transform):
-                key = (id(s.group), id(s.comp), s.param.device, s.param.dtype, geometry(s.comp, s.param.shape))
+                key = (id(s.group), id(s.comp), s.param.device, s.param.dtype, geometry(s.comp, s.param.shape)[:2])
                 by_key.setdefault(key, []).append(i)
             else:
                 self.rest.append(i)
-        self.groups = [Group(slots, members, nbytes) for members in by_key.values()]
+        # a group's members by band (their C), in layout order within one: one band per distinct C
+        band = {i: geometry(slots[i].comp, slots[i].param.shape)[2] for members in by_key.values() for i in members}
+        self.groups = [Group(slots, sorted(members, key=lambda i: (band[i], i)), nbytes) for members in by_key.values()]
 
     @property
     def numel(self) -> int:
@@ -145,19 +147,19 @@ class Groups:
 
 
 def gradients_into(g: Group, slots, x: torch.Tensor, nonfinite: torch.Tensor | None = None) -> None:
-    """The members' gradients into x (flat, ΣR_i·C), image by image: zeros for a missing
+    """The members' gradients into x (flat, ΣR_i·C_i), image by image: zeros for a missing
     gradient and below a member's rows (its row padding, which the transform must see as 0).
     `nonfinite` (0-dim bool on the device, the envelope's flag of this rank's gradients): when
     set, every gradient is taken as zero, as a missing one is, with no host read."""
-    cols, pieces = g.chunks.plan.padded_cols, []
-    for i, rows in zip(g.members, g.chunks.rows):
+    pieces = []
+    for i, size in zip(g.members, g.chunks.sizes):
         p = slots[i].param
         if p.grad is None:
-            pieces.append(g.zeros[: rows * cols])
+            pieces.append(g.zeros[:size])
             continue
         pieces.append(p.grad.reshape(-1))
-        if rows * cols > p.numel():
-            pieces.append(g.zeros[: rows * cols - p.numel()])
+        if size > p.numel():
+            pieces.append(g.zeros[: size - p.numel()])
     if g.low is None:
         torch.cat(pieces, out=x[: g.momentum.numel()])
     else:                                                    # one same-dtype cat, one exact widening copy
@@ -171,11 +173,10 @@ def encode(g: Group, slots, step: int, payload: torch.Tensor, scratch, weight: f
     """T(M) ← βT(M) + wT(g); the top-k of every chunk into the message; T(M) ← T(M) − αQ̂_i.
     g is taken as zero when `nonfinite` is set (`gradients_into`)."""
     a, b = scratch
-    comp, plan, beta = g.chunks.comp, g.chunks.plan, g.hyper["beta"]
-    x = plan.matrix_in(a)
     gradients_into(g, slots, a, nonfinite)
-    # T(M) ← βT(M) + wT(g): one GEMM over the stacked images, one batched GEMM over their row blocks
-    comp.transform.forward_image(x, plan, step, out=g.momentum, scratch=b, beta=beta, alpha=weight)
+    # T(M) ← βT(M) + wT(g): one GEMM over the stacked images, one batched GEMM per band over its row blocks
+    g.chunks.bands.forward(g.chunks.comp.transform, a[: g.chunks.numel], g.momentum, step, b,
+                           beta=g.hyper["beta"], alpha=weight)
     positions, sent = g.chunks.send(g.momentum, payload, g.packed, scratch=a)
     if ahead:                                                # lookahead='momentum': M before the subtraction
         if g.ahead is None:
@@ -190,14 +191,14 @@ def aggregate(g: Group, positions: torch.Tensor, values: torch.Tensor, out: torc
               counts: torch.Tensor) -> torch.Tensor:
     """The group's image of Σ_j Q̂_j / W ('mean') or / (ranks that sent each coefficient)
     ('senders'), ranks summed in rank order (one index_add_ each: no atomics across ranks)."""
-    image = g.chunks.plan.matrix_in(out).zero_()
+    image = out[: g.chunks.numel].zero_()
     for r in range(positions.shape[0]):
-        image.view(-1).index_add_(0, positions[r].view(-1), values[r].view(-1))
+        image.index_add_(0, positions[r].view(-1), values[r].view(-1))
     if g.hyper["aggregate"] == "mean":
         return image.div_(positions.shape[0])
-    count = g.chunks.plan.matrix_in(counts).zero_()
+    count = counts[: g.chunks.numel].zero_()
     for r in range(positions.shape[0]):
-        count.view(-1).index_add_(0, positions[r].view(-1), torch.ones_like(values[r]).view(-1))
+        count.index_add_(0, positions[r].view(-1), torch.ones_like(values[r]).view(-1))
     return image.div_(count.clamp_(min=1))
 
 
@@ -252,6 +253,6 @@ def _add_signs(g: Group, params: list[torch.Tensor], signs: list[torch.Tensor], 
         return
     if g.ones is None:
         g.ones = torch.ones_like(g.low)
-    ones = g.crops(g.ones.view(g.chunks.plan.padded_rows, -1))
+    ones = g.crops(g.ones)
     torch._foreach_addcmul_(params, signs, [ones[j] for j in keep], value=alpha)
 
