@@ -18,8 +18,8 @@ DeMo, no scale travels, so every sender weighs the same: a sign vote per coeffic
 
 The house's smallest optimizer (docs/design.md, "Adding an optimizer"): the envelope's four
 hooks on the per-tensor compressor `ChunkedTopK`, tensor by tensor. Not GPU-shaped: at world 2
-on GPT-2 shapes a step launches 2,699 kernels at 2 blocks and 9,647 at 8, and reads the host
-twice (`benchmarks/step_audit.py --optimizers sign-demo`; DeMo's grouped step: 267 and 1).
+on GPT-2 shapes a step launches 2,614 kernels at 2 blocks and 9,346 at 8, and reads the host
+twice (`benchmarks/step_audit.py --optimizers sign-demo`; DeMo's grouped step: 101 and 1).
 `thinwire.DeMo(values='sign')` is the grouped, scaled variant, with DeMo's error feedback of
 what the wire delivers. A rank's non-finite gradients are found before the encode (the envelope reads
 them: a sign bit cannot carry a NaN); a flagged step puts Q_i back into M_i, as DeMo does.
