@@ -1,5 +1,6 @@
-"""The image of a `ChunkGroup`: bands of stacked coefficient images, one flat buffer, and the
-chunked transform's and top-k's steps over all of it.
+"""Bands of coefficient images end to end in one flat buffer (a `ChunkGroup`'s image, or one
+tensor's), and top-k's steps over all of it; the transforms take the bands' `layout`
+(`ChunkTransform.forward_bands` / `inverse_bands`).
 
 Tensors of one chunk shape h × w can have different column counts C. Those of one C stack on
 their rows into a band [R_j, C_j] (`ChunkGroup`: image i at rows [r_i, r_i + R_i) of its
@@ -15,10 +16,11 @@ C runs once over the whole buffer:
                             origin_c + (j // w)·C_{band(c)} + j % w, from two tables
 
 so a group costs a number of launches that grows with its bands (at most the distinct C of
-its tensors: 3 for GPT-2's matrices), not with its tensors. The arithmetic is
-`ChunkTransform.forward_image` / `inverse_image` and `ChunkedTopK.select_in`, band by band:
-the same products per element, the right GEMM over more rows per call (on CPU, MKL computes
-a row alike in calls of 12 rows or more), the same chunk rows to the same top-k.
+its tensors: 3 for GPT-2's matrices), not with its tensors. One tensor is one band
+(`ChunkedTopK` selects through a `Bands` of it), so a group's arithmetic is the per-tensor
+path's, band by band: the same products per element, the right GEMM over more rows per call
+(on CPU, MKL computes a row alike in calls of 12 rows or more), the same chunk rows to the
+same top-k.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import torch
 
 from ..ops.select import largest_indices
 from .chunking import ChunkPlan
-from .transforms import ChunkTransform
 
 
 class Bands:
@@ -37,6 +38,8 @@ class Bands:
         self.h, self.w = h, w
         self.plans = [ChunkPlan((r, c), r, c, h, w, r, c) for r, c in bands]
         self.starts = [sum(p.padded_numel for p in self.plans[:j]) for j in range(len(self.plans))]
+        # (start, rows, cols) of each band: what `ChunkTransform.forward_bands` / `inverse_bands` take
+        self.layout = [(start, p.padded_rows, p.padded_cols) for start, p in zip(self.starts, self.plans)]
         self.numel = sum(p.padded_numel for p in self.plans)
         self.num_chunks = sum(p.num_chunks for p in self.plans)
         self._origins, self._offsets, self._shift = self._tables(device)
@@ -60,55 +63,23 @@ class Bands:
         """Each band's [R_j, C_j] in a flat buffer of at least `numel` elements."""
         return [plan.matrix_in(flat[start:]) for plan, start in zip(self.plans, self.starts)]
 
-    def forward(self, transform: ChunkTransform, x: torch.Tensor, out: torch.Tensor, step: int,
-                scratch: torch.Tensor, beta: float = 0.0, alpha: float = 1.0) -> torch.Tensor:
-        """out ← β·out + α·T(x) (`ChunkTransform.forward_image`, band by band): x, out flat
-        [numel]; scratch flat, >= numel."""
-        ph, pw = transform.basis(self.h, step, x.device), transform.basis(self.w, step, x.device)
-        t = x
-        if pw is not None:                                          # X P_wᵀ: [N / w, w] @ [w, w]
-            t = torch.mm(x.view(-1, self.w), pw.T, out=scratch[: self.numel].view(-1, self.w)).view(-1)
-        if ph is None:
-            return torch.mul(t, alpha, out=out) if beta == 0.0 else out.mul_(beta).add_(t, alpha=alpha)
-        for plan, o, s in zip(self.plans, self.of(out), self.of(t)):
-            gr, cols = plan.grid[0], plan.padded_cols
-            # o[a] ← β o[a] + α P_h s[a]: [h, h] @ [h, C_j] for each of the band's row blocks
-            o.view(gr, self.h, cols).baddbmm_(ph.expand(gr, self.h, self.h), s.view(gr, self.h, cols),
-                                              beta=beta, alpha=alpha)
-        return out
-
-    def inverse(self, transform: ChunkTransform, coeffs: torch.Tensor, step: int,
-                scratch: torch.Tensor) -> torch.Tensor:
-        """In place: coeffs (flat [numel]) ← T⁻¹(coeffs) (`ChunkTransform.inverse_image`)."""
-        ph, pw = transform.basis(self.h, step, coeffs.device), transform.basis(self.w, step, coeffs.device)
-        if ph is None and pw is None:
-            return coeffs
-        t = scratch[: self.numel]
-        if pw is not None:                                          # C P_w: [N / w, w] @ [w, w]
-            torch.mm(coeffs.view(-1, self.w), pw, out=t.view(-1, self.w))
-        else:
-            t.copy_(coeffs)
-        if ph is None:
-            return coeffs.copy_(t)
-        for plan, c, s in zip(self.plans, self.of(coeffs), self.of(t)):
-            gr, cols = plan.grid[0], plan.padded_cols
-            # P_hᵀ (C P_w)[a] for each row block a: [h, h] @ [h, C_j]
-            torch.bmm(ph.T.expand(gr, self.h, self.h), s.view(gr, self.h, cols), out=c.view(gr, self.h, cols))
-        return coeffs
-
     def positions(self, idx: torch.Tensor) -> torch.Tensor:
         """Chunk-local indices [..., chunks, k] -> flat positions in the buffer, int64."""
         at = idx if self._shift is None else idx + self._shift
         return torch.take(self._offsets, at).add_(self._origins)
 
-    def select(self, image: torch.Tensor, k: int, scratch: torch.Tensor):
-        """The k largest-magnitude coefficients of every chunk of the flat `image`: (chunk-local
-        indices [chunks, k], their positions [chunks, k], their values [chunks, k])."""
+    def largest(self, image: torch.Tensor, k: int, scratch: torch.Tensor) -> torch.Tensor:
+        """Chunk-local indices [chunks, k] of the k largest-magnitude coefficients of every chunk
+        of the flat `image`, |·| written chunk-major into `scratch` (flat, >= numel) on the way."""
         h, w = self.h, self.w
         for plan, band, magnitude in zip(self.plans, self.of(image), self.of(scratch)):
             (gr, gc) = plan.grid
             # [R, C] -> [gr, h, gc, w] -> [gr, gc, h, w]: |coefficients| chunk-major, one strided pass
             torch.abs(band.view(gr, h, gc, w).permute(0, 2, 1, 3), out=magnitude.view(gr, gc, h, w))
-        idx = largest_indices(scratch[: self.numel].view(self.num_chunks, h * w), k)
+        return largest_indices(scratch[: self.numel].view(self.num_chunks, h * w), k)
+
+    def select(self, image: torch.Tensor, k: int, scratch: torch.Tensor):
+        """`largest`, then (indices [chunks, k], their positions [chunks, k], their values [chunks, k])."""
+        idx = self.largest(image, k, scratch)
         positions = self.positions(idx)
         return idx, positions, torch.take(image, positions)         # image[positions], 5x faster on CPU

@@ -104,6 +104,18 @@ class ChunkGroup:
             self._received[world] = torch.cat(parts)
         return self._received[world]
 
+    def forward(self, x: torch.Tensor, out: torch.Tensor, step: int, scratch: torch.Tensor,
+                beta: float = 0.0, alpha: float = 1.0) -> torch.Tensor:
+        """out ← β·out + α·T(x) over the group's flat image (`ChunkTransform.forward_bands`)."""
+        b = self.bands
+        return self.comp.transform.forward_bands(x, out, b.h, b.w, b.layout, step, scratch=scratch, beta=beta,
+                                                 alpha=alpha)
+
+    def inverse(self, coeffs: torch.Tensor, step: int, scratch: torch.Tensor) -> torch.Tensor:
+        """In place: the group's flat image ← T⁻¹(coeffs) (`ChunkTransform.inverse_bands`)."""
+        b = self.bands
+        return self.comp.transform.inverse_bands(coeffs, b.h, b.w, b.layout, step, scratch=scratch)
+
     def views(self, image: torch.Tensor) -> list[torch.Tensor]:
         """Tensor i's own image [R_i, C_i] in the group's flat image (contiguous)."""
         return [image[start: start + size].view(shape)

@@ -21,9 +21,10 @@ from typing import Sequence
 
 import torch
 
-from ..ops.select import ascending, largest_indices
+from ..ops.select import ascending
 from ..wire import checks, get_codec, index_coding
 from ..wire.indices import PackedIndices, check_index_coding
+from .chunk_bands import Bands
 from .chunking import ChunkPlan
 from .payload import Payload, PayloadSpec, check_buffer
 from .transforms import ChunkTransform
@@ -65,7 +66,7 @@ class ChunkedTopK:
         self.indices = check_index_coding(indices)
         self._codings: dict[tuple[int, int], PackedIndices] = {}
         self._plans: dict[tuple[int, ...], ChunkPlan] = {}
-        self._origins: dict[tuple, torch.Tensor] = {}
+        self._bands: dict[tuple, Bands] = {}
 
     def plan(self, shape) -> ChunkPlan:
         shape = tuple(shape)
@@ -93,19 +94,17 @@ class ChunkedTopK:
 
     # --- image layout ---------------------------------------------------------------------
 
+    def bands(self, plan: ChunkPlan, device) -> Bands:
+        """The image a `plan` lays out as one band (`thinwire.compress.chunk_bands`), made once
+        per plan and device: its position tables are built then."""
+        key = (plan.padded_rows, plan.padded_cols, plan.chunk_rows, plan.chunk_cols, torch.device(device))
+        if key not in self._bands:
+            self._bands[key] = Bands([(plan.padded_rows, plan.padded_cols)], plan.chunk_rows, plan.chunk_cols, device)
+        return self._bands[key]
+
     def positions(self, plan: ChunkPlan, idx: torch.Tensor) -> torch.Tensor:
         """Chunk-local indices [n_chunks, k] -> flat positions in the image [R*C], int64."""
-        key = (plan.shape, plan.chunk_rows, plan.chunk_cols, idx.device)
-        if key not in self._origins:
-            (gr, gc), h, w, cols = plan.grid, plan.chunk_rows, plan.chunk_cols, plan.padded_cols
-            # flat position of each chunk's (0, 0): a*h*C + b*w, [n_chunks, 1]
-            rows = torch.arange(gr, device=idx.device)[:, None] * (h * cols)
-            origins = (rows + torch.arange(gc, device=idx.device)[None, :] * w).view(-1, 1)
-            # a chunk-local index j's offset from its chunk's origin: (j // w)*C + j % w, [h*w]
-            j = torch.arange(h * w, device=idx.device)
-            self._origins[key] = origins, torch.div(j, w, rounding_mode="floor") * cols + j % w
-        origins, offsets = self._origins[key]
-        return torch.take(offsets, idx).add_(origins)               # two launches whatever the shape
+        return self.bands(plan, idx.device).positions(idx)              # two launches whatever the shape
 
     def select(self, image: torch.Tensor, shape, scratch: torch.Tensor | None = None) -> Read:
         """The k largest-magnitude coefficients of every chunk of an image [R, C]:
@@ -120,16 +119,13 @@ class ChunkedTopK:
 
     def select_in(self, image: torch.Tensor, plan: ChunkPlan, k: int, scratch: torch.Tensor | None = None):
         """`select_at` on an image laid out by `plan` (a tensor's, or a group's stacked images)."""
-        (gr, gc), h, w = plan.grid, plan.chunk_rows, plan.chunk_cols
+        bands, flat = self.bands(plan, image.device), image.view(-1)
         if scratch is None:
             scratch = torch.empty(plan.padded_numel, device=image.device)
-        magnitude = plan.matrix_in(scratch).view(gr, gc, h, w)
-        # [R, C] -> [gr, h, gc, w] -> [gr, gc, h, w]: |coefficients| chunk-major, one strided pass
-        torch.abs(image.view(gr, h, gc, w).permute(0, 2, 1, 3), out=magnitude)
-        idx = largest_indices(magnitude.view(plan.num_chunks, h * w), k)
+        idx = bands.largest(flat, k, scratch)
         if self.indices == "elias-fano":                                  # the coding that sends rows sorted
-            idx = ascending(idx, h * w)                                  # each chunk's ascending, as the coding sends them
-        positions = self.positions(plan, idx)
+            idx = ascending(idx, plan.chunk_elems)                       # each chunk's ascending, as the coding sends them
+        positions = bands.positions(idx)
         return idx, positions, torch.take(image, positions)              # image.view(-1)[positions], 5x faster on CPU
 
     def write(self, read: Read, shape, out: torch.Tensor | None = None) -> Payload:

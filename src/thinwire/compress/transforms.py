@@ -14,6 +14,7 @@ faults of a fresh 100 MB temporary cost about as much as a GEMM over it.
 from __future__ import annotations
 
 import hashlib
+from typing import Sequence
 
 import torch
 
@@ -29,11 +30,7 @@ def _basis_seed(seed: int, step: int, n: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def _matrix(scratch: torch.Tensor | None, rows: int, cols: int, device) -> torch.Tensor:
-    """A [rows, cols] float32 matrix: the front of `scratch` (flat), or a fresh tensor."""
-    if scratch is None:
-        return torch.empty(rows, cols, device=device)
-    return scratch[: rows * cols].view(rows, cols)
+Band = tuple[int, int, int]      # (start, rows, cols): an image [rows, cols] at element `start` of a flat buffer
 
 
 class ChunkTransform:
@@ -70,26 +67,10 @@ class ChunkTransform:
         the plan pads only rows: the rest count as zeros), out its coefficients in image
         layout [R, C] (allocated when None; with β = 0 its old content is ignored). `out`
         may be x itself; `scratch` (flat float32, >= R*C) holds the intermediate."""
-        (gr, gc), h, w = plan.grid, plan.chunk_rows, plan.chunk_cols
-        rows, cols = plan.padded_rows, plan.padded_cols
-        ph, pw = self.basis(h, step, x.device), self.basis(w, step, x.device)
         if out is None:
-            out, beta = torch.empty(rows, cols, device=x.device), 0.0
-        t = _matrix(scratch, rows * gc, w, x.device)
-        given = x.shape[0] * gc                                            # rows of t that x fills
-        if pw is not None:
-            torch.mm(x.view(given, w), pw.T, out=t[:given])                # X P_wᵀ: [R*gc, w] @ [w, w]
-        else:
-            t[:given].copy_(x.view(given, w))
-        if given < rows * gc:                                              # x gave fewer rows
-            t[given:].zero_()
-        if ph is not None:
-            # out[a] ← β out[a] + α P_h (X P_wᵀ)[a]: [h, h] @ [h, C] for each of the gr row blocks
-            out.view(gr, h, cols).baddbmm_(ph.expand(gr, h, h), t.view(gr, h, cols), beta=beta, alpha=alpha)
-        elif beta == 0.0:
-            torch.mul(t.view(rows, cols), alpha, out=out)
-        else:
-            out.mul_(beta).add_(t.view(rows, cols), alpha=alpha)
+            out, beta = torch.empty(plan.padded_rows, plan.padded_cols, device=x.device), 0.0
+        self.forward_bands(x.reshape(-1), out.view(-1), plan.chunk_rows, plan.chunk_cols,
+                           [(0, plan.padded_rows, plan.padded_cols)], step, scratch=scratch, beta=beta, alpha=alpha)
         return out
 
     def inverse_image(self, coeffs: torch.Tensor, plan: ChunkPlan, step: int = 0, *,
@@ -97,21 +78,55 @@ class ChunkTransform:
         """In place: an image-layout coefficient matrix [R, C] becomes the padded matrix
         T⁻¹(coeffs) = P_hᵀ C P_w per chunk; `scratch` (flat float32, >= R*C) holds the
         intermediate. Returns `coeffs`."""
-        (gr, gc), h, w = plan.grid, plan.chunk_rows, plan.chunk_cols
-        rows, cols = plan.padded_rows, plan.padded_cols
+        self.inverse_bands(coeffs.view(-1), plan.chunk_rows, plan.chunk_cols,
+                           [(0, plan.padded_rows, plan.padded_cols)], step, scratch=scratch)
+        return coeffs
+
+    def forward_bands(self, x: torch.Tensor, out: torch.Tensor, h: int, w: int, bands: Sequence[Band], step: int = 0,
+                      *, scratch: torch.Tensor | None = None, beta: float = 0.0, alpha: float = 1.0) -> torch.Tensor:
+        """`forward_image` over images of chunks h × w end to end in one flat buffer: band
+        (start, R, C) is the image [R, C] at elements [start, start + R·C) of `out` (flat). x:
+        flat, the same layout, or only its first elements (the rest count as zeros); `out` may
+        be x itself. The right product is one GEMM over every band (it does not see C), the
+        left one batched GEMM per band."""
+        ph, pw = self.basis(h, step, x.device), self.basis(w, step, x.device)
+        n, given = sum(rows * cols for _, rows, cols in bands), x.numel()
+        t = torch.empty(n, device=x.device) if scratch is None else scratch[:n]
+        if pw is not None:                                                 # X P_wᵀ: [N / w, w] @ [w, w]
+            torch.mm(x.view(-1, w), pw.T, out=t[:given].view(-1, w))
+        elif given < n or x.data_ptr() == out.data_ptr():                  # t: x padded, apart from out
+            t[:given].copy_(x)
+        else:
+            t = x
+        if given < n:                                                      # x gave fewer rows
+            t[given:].zero_()
+        if ph is None:
+            return torch.mul(t, alpha, out=out) if beta == 0.0 else out.mul_(beta).add_(t, alpha=alpha)
+        for start, rows, cols in bands:
+            gr, at = rows // h, slice(start, start + rows * cols)
+            # out[a] ← β out[a] + α P_h (X P_wᵀ)[a]: [h, h] @ [h, C] for each of the band's row blocks
+            out[at].view(gr, h, cols).baddbmm_(ph.expand(gr, h, h), t[at].view(gr, h, cols), beta=beta, alpha=alpha)
+        return out
+
+    def inverse_bands(self, coeffs: torch.Tensor, h: int, w: int, bands: Sequence[Band], step: int = 0, *,
+                      scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """In place: `inverse_image` over the bands of a flat buffer (`forward_bands`): one GEMM
+        for the right product, one batched GEMM per band for the left. Returns `coeffs`."""
         ph, pw = self.basis(h, step, coeffs.device), self.basis(w, step, coeffs.device)
         if ph is None and pw is None:
             return coeffs
-        t = _matrix(scratch, rows * gc, w, coeffs.device)
-        if pw is not None:
-            torch.mm(coeffs.view(rows * gc, w), pw, out=t)                # C P_w: [R*gc, w] @ [w, w]
+        n = sum(rows * cols for _, rows, cols in bands)
+        t = torch.empty(n, device=coeffs.device) if scratch is None else scratch[:n]
+        if pw is not None:                                                 # C P_w: [N / w, w] @ [w, w]
+            torch.mm(coeffs[:n].view(-1, w), pw, out=t.view(-1, w))
         else:
-            t.copy_(coeffs.view(rows * gc, w))
-        if ph is not None:
+            t.copy_(coeffs[:n])
+        if ph is None:
+            return coeffs[:n].copy_(t)
+        for start, rows, cols in bands:
+            gr, at = rows // h, slice(start, start + rows * cols)
             # P_hᵀ (C P_w)[a] for each row block a: [h, h] @ [h, C]
-            torch.bmm(ph.T.expand(gr, h, h), t.view(gr, h, cols), out=coeffs.view(gr, h, cols))
-        else:
-            coeffs.view(rows * gc, w).copy_(t)
+            torch.bmm(ph.T.expand(gr, h, h), t[at].view(gr, h, cols), out=coeffs[at].view(gr, h, cols))
         return coeffs
 
     def zero_padding_(self, image: torch.Tensor, plan: ChunkPlan, step: int = 0) -> torch.Tensor:

@@ -266,7 +266,7 @@ class DeMo(CommunicatingOptimizer):
         _, scratch = self._scratch(slots)
         groups = self._grouping(slots)
         for g in groups.groups:                             # M_i + α T⁻¹(Q̂_i): the group's image -> padded matrices
-            g.chunks.bands.inverse(g.chunks.comp.transform, g.ahead, step, scratch=scratch)
+            g.chunks.inverse(g.ahead, step, scratch=scratch)
             demo_groups.step_params(g, slots, g.ahead, present)
         for i in groups.rest:
             group, p, comp, _offset, _n, key = slots[i]

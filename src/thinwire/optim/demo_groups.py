@@ -175,8 +175,7 @@ def encode(g: Group, slots, step: int, payload: torch.Tensor, scratch, weight: f
     a, b = scratch
     gradients_into(g, slots, a, nonfinite)
     # T(M) ← βT(M) + wT(g): one GEMM over the stacked images, one batched GEMM per band over its row blocks
-    g.chunks.bands.forward(g.chunks.comp.transform, a[: g.chunks.numel], g.momentum, step, b,
-                           beta=g.hyper["beta"], alpha=weight)
+    g.chunks.forward(a[: g.chunks.numel], g.momentum, step, b, beta=g.hyper["beta"], alpha=weight)
     positions, sent = g.chunks.send(g.momentum, payload, g.packed, scratch=a)
     if ahead:                                                # lookahead='momentum': M before the subtraction
         if g.ahead is None:

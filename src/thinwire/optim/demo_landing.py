@@ -43,7 +43,7 @@ def land(groups: Groups, slots: list[Slot], decoded: tuple, scratch: tuple[torch
         if clip and values.shape[0] > 1:                # each sender's tensors to the median norm (1 row: × 1)
             values = clip_chunks(values, g.chunk_tensor, g.chunk_counts)
         delta = demo_groups.aggregate(g, positions, values, out=a, counts=b)
-        g.chunks.bands.inverse(g.chunks.comp.transform, delta, step, scratch=b)
+        g.chunks.inverse(delta, step, scratch=b)
         demo_groups.step_params(g, slots, delta, present, skip)
     for i, read in reads.items():                       # none under `skip` (`_applies_masked`)
         group, p, comp, _, _, key = slots[i]
