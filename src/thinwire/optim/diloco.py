@@ -25,7 +25,7 @@ sync run on this rank's shard, exchanged with the ranks holding it in the other 
 
 from __future__ import annotations
 
-from .dense_mean import DenseMean, check_outer, check_wire
+from .dense_mean import DenseMean
 from .local_steps import LocalSteps
 from .periodic import check_delay, check_sync_every, of_sync
 
@@ -60,8 +60,6 @@ class DiLoCo(LocalSteps):
                  outer_momentum: float = 0.9, wire: str = "fp32", nonfinite: str = "raise", process_group=None,
                  overlap: bool = False, delay: int = 1):
         check_sync_every(sync_every)
-        check_outer(outer_lr, outer_momentum)
-        check_wire(wire)
+        sync = DenseMean(outer_lr, outer_momentum, wire)              # checks outer_lr, outer_momentum, wire
         check_delay(delay, sync_every, overlap)
-        self._init_local_steps(params, inner, process_group, nonfinite, sync_every,
-                               DenseMean(outer_lr, outer_momentum, wire), overlap, delay)
+        self._init_local_steps(params, inner, process_group, nonfinite, sync_every, sync, overlap, delay)

@@ -139,6 +139,7 @@ class PeriodicAveraging(CommunicatingOptimizer):
         places = spans(m.param.numel() for m in layout)
         torch._foreach_copy_([span.of(self._launched).view(m.param.shape) for m, span in zip(layout, places)],
                              [m.param for m in layout])
+
     def _rejoin_all(self, slots: list[Slot], skip: torch.Tensor | None = None) -> None:
         """`_rejoin` of every parameter, grouped where the arithmetic stays the same. `skip`
         (delay 1): θ stays where it is set (lerp's weight 0 or 1 gives θ or θ₀ exactly)."""
